@@ -1,0 +1,462 @@
+"""What crosses the workflow boundary: the one contracts module both sides import.
+
+Every activity input is one pydantic model, so a field can be added later
+without breaking running workflows' history (add fields with defaults; never
+rename or remove one — that is a history-compatibility event).
+
+This module does no I/O and imports nothing that does: workflow code imports
+it inside the sandbox. Values go through ``temporalio.contrib.pydantic``'s
+data converter.
+
+Never put a secret here: API keys are read from the environment by the
+activities that need them (DESIGN §5), so no model below has a field for one.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ---------------------------------------------------------------------------
+# Names that must stay stable (greppable; changing one breaks running tasks).
+# ---------------------------------------------------------------------------
+
+#: Default task queue for workflows and sampling activities.
+DEFAULT_TASK_QUEUE = "stopline"
+#: Workflow type names.
+AGENT_TASK_WORKFLOW = "AgentTask"
+#: Activity names.
+SAMPLE_ACTIVITY = "stopline.sample"
+TOOL_ACTIVITY = "stopline.tool"
+LEDGER_FLUSH_ACTIVITY = "stopline.ledger_flush"
+#: The workflow-streams topic that carries :class:`TaskEvent`.
+EVENTS_TOPIC = "events"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=False)
+
+
+# ---------------------------------------------------------------------------
+# Conversation: provider-neutral shapes built from ledger rows.
+# ---------------------------------------------------------------------------
+
+
+class ToolCall(_Model):
+    """One tool call the model asked for.
+
+    Attributes:
+        id: The provider's call id (Anthropic ``tool_use.id``, OpenAI
+            ``tool_calls[].id`` / Responses ``call_id``).
+        name: Tool name.
+        arguments: Parsed JSON object, or ``None`` when the arguments did not
+            parse (then ``parse_error`` says why and the call is never run).
+        raw_arguments: The arguments exactly as the provider sent them (a
+            JSON string), kept so the next request can echo them back.
+        parse_error: Why ``raw_arguments`` is not a JSON object, if it is not.
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any] | None = None
+    raw_arguments: str = "{}"
+    parse_error: str | None = None
+
+
+class TextPart(_Model):
+    """Plain text in a message."""
+
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUsePart(_Model):
+    """An assistant's tool call inside a message."""
+
+    type: Literal["tool_use"] = "tool_use"
+    call: ToolCall
+
+
+class ToolResultPart(_Model):
+    """The result of one tool call, sent back in a user-role message.
+
+    Attributes:
+        call_id: The :class:`ToolCall` id this answers.
+        text: What the model reads.
+        is_error: ``True`` when the call itself could not be made
+            (``RespondToModel.ok`` is ``False``).
+    """
+
+    type: Literal["tool_result"] = "tool_result"
+    call_id: str
+    text: str
+    is_error: bool = False
+
+
+Part = Annotated[TextPart | ToolUsePart | ToolResultPart, Field(discriminator="type")]
+
+
+class Message(_Model):
+    """One provider-neutral conversation message.
+
+    ``role`` is ``user`` or ``assistant``; tool results travel in ``user``
+    messages (Anthropic's shape; the OpenAI adapters split them into
+    ``role: tool`` messages / ``function_call_output`` items).
+    """
+
+    role: Literal["user", "assistant"]
+    parts: list[Part]
+
+
+class ToolSpec(_Model):
+    """A tool as offered to the model: name, description, JSON Schema input."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+class Refusal(_Model):
+    """The provider's refusal verdict on a request (seed 000; DESIGN §4).
+
+    Attributes:
+        provider: Provider id (``anthropic``, ``openai``, ...).
+        category: The provider's category when given (e.g. ``cyber_policy``,
+            ``content_filter``), else ``None``.
+        detail: The provider's own explanation when given (Anthropic
+            ``stop_details``, OpenAI ``refusal`` text). Kept in the task's
+            own ledger only; never forwarded to a parent.
+    """
+
+    provider: str
+    category: str | None = None
+    detail: str | None = None
+
+
+class Usage(_Model):
+    """Token counts reported by the provider (0 when not reported)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+StopReason = Literal["end_turn", "tool_use", "max_tokens", "refusal", "other"]
+
+
+class SamplingResult(_Model):
+    """What one sampling call (model call) produced.
+
+    A refusal is a *result* (``stop_reason == "refusal"`` and ``refusal`` set),
+    never an exception, so Temporal retries nothing (seed 000).
+
+    Attributes:
+        provider: Provider id that answered.
+        model: Model name as sent.
+        text: The assistant's text for this turn ("" when none).
+        tool_calls: Tool calls in the order the model made them.
+        stop_reason: Normalized: ``end_turn`` | ``tool_use`` | ``max_tokens``
+            (Anthropic ``max_tokens``, OpenAI ``length`` /
+            ``max_output_tokens``) | ``refusal`` | ``other``.
+        raw_stop_reason: The provider's own value (Anthropic ``stop_reason``,
+            OpenAI ``finish_reason`` / Responses ``status``).
+        refusal: Set iff the provider refused.
+        usage: Token counts.
+    """
+
+    provider: str
+    model: str
+    text: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    stop_reason: StopReason = "end_turn"
+    raw_stop_reason: str | None = None
+    refusal: Refusal | None = None
+    usage: Usage = Field(default_factory=Usage)
+
+
+# ---------------------------------------------------------------------------
+# Tool outcomes: data, not exceptions (seed 002; DESIGN §2).
+# ---------------------------------------------------------------------------
+
+
+class RespondToModel(_Model):
+    """The model sees ``text`` as the tool result.
+
+    ``ok=True``: the handler finished (the process ran, whatever its exit code,
+    timed out, or was denied — the text says what happened). ``ok=False``: the
+    call itself could not be made (bad arguments, program not found, patch
+    context mismatch, path outside the workspace, handler raised).
+
+    Attributes:
+        text: What the model reads (already capped, head + tail).
+        ok: See above.
+        terminal: ``True`` when the call reached its terminal state (process
+            exited, file written). ``False`` only for an aborted call.
+        aborted: ``True`` when a user interrupt ended the call before it was
+            terminal; ``text`` then holds the output captured so far.
+        elapsed_s: Wall time of the call in seconds.
+        output_ref: Path (relative to the ledger store) of the full output
+            when it was larger than the inline cap; ``None`` otherwise.
+    """
+
+    kind: Literal["respond"] = "respond"
+    text: str
+    ok: bool = True
+    terminal: bool = True
+    aborted: bool = False
+    elapsed_s: float = 0.0
+    output_ref: str | None = None
+
+
+class Fatal(_Model):
+    """The engine itself is broken; the turn ends and the task fails.
+
+    Only for: a response without the expected shape, a failed task join
+    (seed 002: the deepest of the three thresholds).
+    """
+
+    kind: Literal["fatal"] = "fatal"
+    reason: str
+
+
+ToolOutcome = Annotated[RespondToModel | Fatal, Field(discriminator="kind")]
+
+
+class ToolCallInput(_Model):
+    """Input of the ``stopline.tool`` activity (one tool call).
+
+    Attributes:
+        task_id: Owning task (workflow id).
+        call: The tool call to run (``arguments`` already parsed).
+        workspace: Absolute path of the task's workspace; every path the tool
+            touches must resolve inside it.
+        timeout_s: Per-call timeout in seconds (foreground processes).
+        kill_grace_s: Seconds between SIGTERM and SIGKILL when the call is
+            cancelled or times out.
+        output_cap_bytes: Inline cap for the text the model sees; more is
+            kept head + tail and the whole output stored beside the ledger.
+    """
+
+    task_id: str
+    call: ToolCall
+    workspace: str
+    timeout_s: float = 120.0
+    kill_grace_s: float = 0.1
+    output_cap_bytes: int = 16_384
+
+
+# ---------------------------------------------------------------------------
+# Ledger: the append-only transcript (DESIGN §3, §5).
+# ---------------------------------------------------------------------------
+
+RowKind = Literal[
+    "prompt",
+    "user_message",
+    "assistant",
+    "tool_result",
+    "turn_aborted",
+    "system",
+    "task_result",
+    "provider-refusal-stop",
+    "notification",
+]
+
+
+class LedgerRow(_Model):
+    """One append-only ledger row.
+
+    Attributes:
+        seq: 1-based position in the task's ledger; rows are written in seq
+            order and a seq is never written twice.
+        kind: What the row is.
+        round: Sampling round the row belongs to (0 before the first).
+        model_visible: Whether the model sees it in later requests.
+        at: Workflow time (``workflow.now()``) when appended.
+        text: Prompt / assistant text / tool result text / marker text.
+        tool_calls: For ``assistant`` rows: the calls the model made.
+        call_id: For ``tool_result`` rows: the call answered.
+        tool_name: For ``tool_result`` rows: the tool's name.
+        ok: For ``tool_result`` rows: :attr:`RespondToModel.ok`.
+        meta: Small extra facts (aborted, elapsed_s, output_ref, status...).
+    """
+
+    seq: int
+    kind: RowKind
+    round: int = 0
+    model_visible: bool = True
+    at: datetime | None = None
+    text: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    call_id: str | None = None
+    tool_name: str | None = None
+    ok: bool | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class LedgerFlushInput(_Model):
+    """Input of ``stopline.ledger_flush``: append rows, fsync, optionally kill.
+
+    Attributes:
+        task_id: The task whose ledger file to append to.
+        rows: Rows to append, in seq order. Rows whose seq is already in the
+            file are skipped (a retried flush never writes twice).
+        kill_calls: Tool call ids whose process groups must be gone when the
+            activity returns (SIGKILL): the irreversible step of an abort.
+    """
+
+    task_id: str
+    rows: list[LedgerRow] = Field(default_factory=list)
+    kill_calls: list[str] = Field(default_factory=list)
+
+
+class SampleInput(_Model):
+    """Input of ``stopline.sample``: a reference to the transcript, not a copy.
+
+    The activity first appends ``pending_rows`` to the ledger file (so ledger
+    writes cost no extra round trip), then reads the transcript up to
+    ``upto_seq`` from the ledger store and sends it (DESIGN §5: history grows
+    linearly).
+
+    Attributes:
+        task_id: Task id; locates the ledger file.
+        model: ``provider:model`` (e.g. ``anthropic:claude-sonnet-4-5``).
+        base_url: Provider base URL override (OpenAI-compatible servers, the
+            scripted server). Not a secret.
+        pending_rows: Rows accepted since the last flush.
+        upto_seq: Last ledger seq the request must include.
+        system: System prompt.
+        tools: Tools offered.
+        max_tokens: Output token limit sent to the provider.
+        stream: Ask for SSE streaming.
+    """
+
+    task_id: str
+    model: str
+    base_url: str | None = None
+    pending_rows: list[LedgerRow] = Field(default_factory=list)
+    upto_seq: int
+    system: str = ""
+    tools: list[ToolSpec] = Field(default_factory=list)
+    max_tokens: int = 4096
+    stream: bool = True
+
+
+# ---------------------------------------------------------------------------
+# The task.
+# ---------------------------------------------------------------------------
+
+
+class TaskLimits(_Model):
+    """Limits of one task.
+
+    Attributes:
+        max_rounds: Sampling rounds before the task stops (status ``stopped``).
+        tool_timeout_s: Per-tool-call timeout in seconds.
+        interrupt_grace_s: Grace between cancel request and hard abort,
+            seconds (seed 002: 100 ms).
+        max_tokens: Output token limit per sampling call.
+    """
+
+    max_rounds: int = 50
+    tool_timeout_s: float = 120.0
+    interrupt_grace_s: float = 0.1
+    max_tokens: int = 4096
+
+
+class AgentTaskInput(_Model):
+    """Input of the ``AgentTask`` workflow.
+
+    Attributes:
+        prompt: The user's task.
+        model: ``provider:model``.
+        workspace: Absolute workspace directory on the tool host.
+        limits: See :class:`TaskLimits`.
+        base_url: Provider base URL override (not a secret).
+        host_task_queue: Task queue of the worker on the host holding the
+            workspace (tools and ledger writes run there).
+        system: System prompt; a default is used when empty.
+        stream: Stream sampling responses (SSE).
+    """
+
+    prompt: str
+    model: str
+    workspace: str
+    limits: TaskLimits = Field(default_factory=TaskLimits)
+    base_url: str | None = None
+    host_task_queue: str = DEFAULT_TASK_QUEUE
+    system: str = ""
+    stream: bool = True
+
+
+TaskStatusName = Literal["completed", "stopped", "failed"]
+
+
+class AgentTaskResult(_Model):
+    """Result of the ``AgentTask`` workflow.
+
+    Attributes:
+        task_id: Workflow id.
+        status: ``completed`` (model ended its turn) | ``stopped`` (max
+            rounds, refusal, user stop) | ``failed`` (engine error).
+        refused: ``True`` when a provider refusal stopped it (seed 000).
+        reason: Why it ended, in words.
+        rounds: Sampling rounds made.
+        final_text: The assistant's last text.
+        provider_calls: Sampling activity executions that reached the
+            provider (retries included).
+    """
+
+    task_id: str
+    status: TaskStatusName
+    refused: bool = False
+    reason: str = ""
+    rounds: int = 0
+    final_text: str = ""
+    provider_calls: int = 0
+
+
+class TaskStatus(_Model):
+    """What the ``status`` Query returns."""
+
+    task_id: str
+    state: Literal["running", "waiting", "completed", "stopped", "failed"]
+    round: int
+    rows: int
+    result: AgentTaskResult | None = None
+
+
+EventKind = Literal[
+    "turn_started",
+    "assistant_text",
+    "tool_call_started",
+    "tool_call_finished",
+    "turn_aborted",
+    "task_finished",
+]
+
+
+class TaskEvent(_Model):
+    """One event on the task's workflow stream (topic :data:`EVENTS_TOPIC`).
+
+    Attributes:
+        kind: What happened.
+        round: Round it happened in.
+        text: Assistant text, or a short summary.
+        call_id: Tool call id for tool events.
+        tool_name: Tool name for tool events.
+        ok: Tool result ``ok`` for ``tool_call_finished``.
+        last_seq: Ledger seq the event refers to (rows up to it are in the
+            ledger file when the event is ``turn_aborted`` or
+            ``task_finished``).
+        result: The task result, on ``task_finished``.
+    """
+
+    kind: EventKind
+    round: int = 0
+    text: str = ""
+    call_id: str | None = None
+    tool_name: str | None = None
+    ok: bool | None = None
+    last_seq: int = 0
+    result: AgentTaskResult | None = None

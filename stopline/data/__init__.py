@@ -1,0 +1,1 @@
+"""Bundled data: sample workspace and demo scenario."""

@@ -1,0 +1,111 @@
+"""One settings model for stopline: environment variables and CLI flags.
+
+Read by the CLI, the worker and activities — never by workflow code (the
+sandbox forbids ``os.environ``; workflow inputs carry what a task needs).
+API keys live here only as ``SecretStr`` so they are redacted when printed
+and never serialized into a workflow input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from stopline.contracts import DEFAULT_TASK_QUEUE
+
+
+class Settings(BaseSettings):
+    """stopline configuration (environment first, flags override).
+
+    Attributes:
+        home: State directory (``$STOPLINE_HOME``, default ``~/.stopline``):
+            ledgers, blobs, background-shell logs, the embedded server's
+            SQLite file and PID files.
+        temporal_address: ``host:port`` of a Temporal frontend
+            (``$TEMPORAL_ADDRESS``). Unset: the embedded dev server.
+        temporal_namespace: Namespace (``$TEMPORAL_NAMESPACE``).
+        task_queue: Task queue of workflows and sampling activities.
+        host_task_queue: Task queue bound to this host, for tool activities
+            and ledger writes (workspace affinity). Default
+            ``stopline-host-<hostname>``.
+        dev_server_port: Port of the embedded dev server's frontend.
+        dev_server_ui_port: Port of its web UI.
+        interrupt_grace_s: Seconds between an interrupt's cancel request and
+            the hard abort (seed 002: 100 ms).
+        heartbeat_timeout_s: Activity heartbeat timeout in seconds; a worker
+            that dies is noticed after this long.
+        heartbeat_throttle_s: The worker's ``max_heartbeat_throttle_interval``
+            in seconds (Temporal throttles heartbeats to this; a cancel is
+            delivered on a heartbeat response).
+        tool_output_cap_bytes: Inline cap on tool output the model sees.
+        sampling_timeout_s: start-to-close timeout of one sampling call.
+        anthropic_api_key: ``$ANTHROPIC_API_KEY``.
+        openai_api_key: ``$OPENAI_API_KEY``.
+        anthropic_base_url: ``$ANTHROPIC_BASE_URL``.
+        openai_base_url: ``$OPENAI_BASE_URL`` (OpenAI-compatible servers:
+            vLLM, llama.cpp server, Ollama).
+        log_format: ``console`` or ``json`` (structlog).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="STOPLINE_", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".stopline")
+    temporal_address: str | None = Field(default=None, validation_alias="TEMPORAL_ADDRESS")
+    temporal_namespace: str = Field(default="default", validation_alias="TEMPORAL_NAMESPACE")
+    task_queue: str = DEFAULT_TASK_QUEUE
+    host_task_queue: str | None = None
+    dev_server_port: int = 7233
+    dev_server_ui_port: int = 8233
+    interrupt_grace_s: float = 0.1
+    heartbeat_timeout_s: float = 5.0
+    heartbeat_throttle_s: float = 0.02
+    tool_output_cap_bytes: int = 16_384
+    sampling_timeout_s: float = 600.0
+    anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+    openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
+    anthropic_base_url: str = Field(
+        default="https://api.anthropic.com", validation_alias="ANTHROPIC_BASE_URL"
+    )
+    openai_base_url: str = Field(
+        default="https://api.openai.com/v1", validation_alias="OPENAI_BASE_URL"
+    )
+    log_format: str = "console"
+
+    def resolved_host_task_queue(self) -> str:
+        """The host-bound task queue name (``stopline-host-<hostname>`` by default)."""
+        if self.host_task_queue:
+            return self.host_task_queue
+        import socket
+
+        return f"stopline-host-{socket.gethostname()}"
+
+    @property
+    def ledger_dir(self) -> Path:
+        """Directory of the per-task JSONL ledgers and their blobs."""
+        return self.home / "ledger"
+
+    @property
+    def shells_dir(self) -> Path:
+        """Directory of background-shell logs and process-group records."""
+        return self.home / "shells"
+
+    @property
+    def procs_dir(self) -> Path:
+        """Directory of per-call process-group records (for the hard abort)."""
+        return self.home / "procs"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build :class:`Settings` from the environment, then apply ``overrides``.
+
+    Args:
+        **overrides: Field values that win over the environment (CLI flags);
+            ``None`` values are ignored.
+
+    Returns:
+        The settings.
+    """
+    clean = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(**clean)  # type: ignore[arg-type]
