@@ -163,6 +163,8 @@ class SamplingResult(_Model):
             OpenAI ``finish_reason`` / Responses ``status``).
         refusal: Set iff the provider refused.
         usage: Token counts.
+        attempt: Which attempt of the sampling activity produced this (the
+            earlier ones reached the provider too: ``provider_calls``).
     """
 
     provider: str
@@ -173,6 +175,7 @@ class SamplingResult(_Model):
     raw_stop_reason: str | None = None
     refusal: Refusal | None = None
     usage: Usage = Field(default_factory=Usage)
+    attempt: int = 1
 
 
 # ---------------------------------------------------------------------------
@@ -303,11 +306,14 @@ class LedgerFlushInput(_Model):
             file are skipped (a retried flush never writes twice).
         kill_calls: Tool call ids whose process groups must be gone when the
             activity returns (SIGKILL): the irreversible step of an abort.
+        close_shells: Close the task's still-running background shells (a
+            task that completes normally; never a refused one — seed 000 §3).
     """
 
     task_id: str
     rows: list[LedgerRow] = Field(default_factory=list)
     kill_calls: list[str] = Field(default_factory=list)
+    close_shells: bool = False
 
 
 class SampleInput(_Model):
@@ -325,8 +331,10 @@ class SampleInput(_Model):
             scripted server). Not a secret.
         pending_rows: Rows accepted since the last flush.
         upto_seq: Last ledger seq the request must include.
-        system: System prompt.
-        tools: Tools offered.
+        system: System prompt ("" for the default).
+        tools: Tools offered explicitly; empty: the named ``toolset``.
+        toolset: Name of the activity-side tool set to offer (keeps the tool
+            schemas out of every round's history).
         max_tokens: Output token limit sent to the provider.
         stream: Ask for SSE streaming.
     """
@@ -338,6 +346,7 @@ class SampleInput(_Model):
     upto_seq: int
     system: str = ""
     tools: list[ToolSpec] = Field(default_factory=list)
+    toolset: str = "workspace"
     max_tokens: int = 4096
     stream: bool = True
 
@@ -356,12 +365,17 @@ class TaskLimits(_Model):
         interrupt_grace_s: Grace between cancel request and hard abort,
             seconds (seed 002: 100 ms).
         max_tokens: Output token limit per sampling call.
+        sampling_timeout_s: start-to-close timeout of one sampling attempt.
+        heartbeat_timeout_s: Heartbeat timeout of sampling and tool
+            activities: a worker that dies is noticed after this long.
     """
 
     max_rounds: int = 50
     tool_timeout_s: float = 120.0
     interrupt_grace_s: float = 0.1
     max_tokens: int = 4096
+    sampling_timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 5.0
 
 
 class AgentTaskInput(_Model):
@@ -460,3 +474,28 @@ class TaskEvent(_Model):
     ok: bool | None = None
     last_seq: int = 0
     result: AgentTaskResult | None = None
+
+
+class InterruptResult(_Model):
+    """What the ``interrupt`` Update returns.
+
+    Attributes:
+        interrupted: ``True`` when a running turn was aborted by this call;
+            ``False`` when no turn was running or an interrupt was already
+            in progress (idempotent: nothing was added).
+        aborted_calls: Tool call ids that got an "aborted by user" receipt.
+        kept_calls: Tool call ids that had finished and kept their results.
+        last_seq: Last ledger seq, fsynced to the ledger file before return.
+    """
+
+    interrupted: bool
+    aborted_calls: list[str] = Field(default_factory=list)
+    kept_calls: list[str] = Field(default_factory=list)
+    last_seq: int = 0
+
+
+class MessageAck(_Model):
+    """What the ``message`` Update returns: the message was accepted."""
+
+    accepted: bool = True
+    state: str = "running"

@@ -1,0 +1,234 @@
+"""The ledger store: one append-only JSONL file per task, fsynced.
+
+The workflow decides what enters the ledger; this module only writes what it
+is given, in seq order, and reads it back. Rows are never rewritten: an
+append whose rows are already in the file (a retried activity, a replayed
+flush after a worker crash) skips them, so a write that was fsynced before a
+crash is there exactly once after it (DESIGN §5).
+
+Ledger writes cost no round trip of their own: the sampling activity appends
+the workflow's pending rows before it reads the transcript
+(``SampleInput.pending_rows``). The ``stopline.ledger_flush`` activity exists
+for the moments with no sampling call to ride on: the end of a task, and an
+abort, where the marker must be on disk before the ``turn_aborted`` event is
+published (seed 002: write, flush, then publish).
+
+Must never: rewrite or truncate a row, reorder rows, or write a row the
+workflow did not hand it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from temporalio import activity
+
+from stopline.contracts import LEDGER_FLUSH_ACTIVITY, LedgerFlushInput, LedgerRow
+from stopline.settings import load_settings
+
+
+class LedgerCorrupt(RuntimeError):
+    """The ledger file does not continue where the workflow expects (a gap)."""
+
+
+_locks: dict[Path, threading.RLock] = {}
+# Parsed rows per ledger file: (bytes consumed, rows). Only complete lines.
+_cache: dict[Path, tuple[int, list[LedgerRow]]] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(path: Path) -> threading.RLock:
+    with _locks_guard:
+        return _locks.setdefault(path, threading.RLock())
+
+
+class LedgerStore:
+    """Per-task JSONL ledgers under a directory.
+
+    Layout: ``<root>/<task_id>/ledger.jsonl`` (one :class:`LedgerRow` JSON
+    object per line) and ``<root>/<task_id>/blobs/`` (large outputs).
+
+    Args:
+        root: Ledger directory (``Settings.ledger_dir``).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, task_id: str) -> Path:
+        """Path of a task's JSONL ledger file."""
+        safe = task_id.replace("/", "_")
+        return self.root / safe / "ledger.jsonl"
+
+    def read(self, task_id: str, upto_seq: int | None = None) -> list[LedgerRow]:
+        """Read a task's rows in order.
+
+        Reads incrementally: rows already parsed by this process are kept in
+        memory (keyed by file offset), so reading the transcript every round
+        costs only the new rows, not the whole file (a 2,000-round task).
+
+        Args:
+            task_id: Task id.
+            upto_seq: Last seq to return (inclusive); ``None`` for all.
+
+        Returns:
+            The rows; empty when the file does not exist. A torn last line
+            (a crash mid-write, never fsynced) is ignored.
+        """
+        path = self.path(task_id)
+        with _lock_for(path):
+            rows = self._read_cached(path)
+        if upto_seq is None:
+            return list(rows)
+        return [r for r in rows if r.seq <= upto_seq]
+
+    def last_seq(self, task_id: str) -> int:
+        """The seq of the last complete row in the file, 0 when empty."""
+        rows = self.read(task_id)
+        return rows[-1].seq if rows else 0
+
+    def _read_cached(self, path: Path) -> list[LedgerRow]:
+        if not path.exists():
+            _cache.pop(path, None)
+            return []
+        size = path.stat().st_size
+        offset, rows = _cache.get(path, (0, []))
+        if size < offset:  # file replaced (a new store at the same path)
+            offset, rows = 0, []
+        if size > offset:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                for raw in fh:
+                    if not raw.endswith(b"\n"):
+                        break  # torn tail: never acknowledged, never counted
+                    rows.append(LedgerRow.model_validate_json(raw))
+                    offset += len(raw)
+            _cache[path] = (offset, rows)
+        return rows
+
+    def append(self, task_id: str, rows: list[LedgerRow]) -> int:
+        """Append rows not yet in the file, then fsync.
+
+        Args:
+            task_id: Task id.
+            rows: Rows in seq order. Rows with seq at or below the file's last
+                seq are skipped (idempotent retry).
+
+        Returns:
+            The number of rows written.
+
+        Raises:
+            LedgerCorrupt: If the first new row does not follow the file's
+                last seq (a gap), or the rows are out of order.
+        """
+        path = self.path(task_id)
+        with _lock_for(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            last = self._last_seq_repairing(path)
+            new = [r for r in rows if r.seq > last]
+            expected = last + 1
+            for r in new:
+                if r.seq != expected:
+                    raise LedgerCorrupt(
+                        f"ledger {path}: expected row seq {expected}, got {r.seq}"
+                    )
+                expected += 1
+            if not new:
+                return 0
+            data = b"".join(r.model_dump_json().encode() + b"\n" for r in new)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if last == 0:
+                _fsync_dir(path.parent)
+            return len(new)
+
+    def _last_seq_repairing(self, path: Path) -> int:
+        """Last complete seq; a torn (unterminated) tail is cut off first.
+
+        The torn bytes were never fsynced-and-acknowledged, so no reader has
+        relied on them; cutting them is not rewriting history.
+        """
+        if not path.exists():
+            return 0
+        size = path.stat().st_size
+        if size == 0:
+            return 0
+        with path.open("rb+") as fh:
+            fh.seek(size - 1)
+            if fh.read(1) != b"\n":
+                fh.seek(0)
+                content = fh.read()
+                cut = content.rfind(b"\n") + 1
+                fh.truncate(cut)
+                fh.flush()
+                os.fsync(fh.fileno())
+        rows = self._read_cached(path)
+        return rows[-1].seq if rows else 0
+
+    @staticmethod
+    def read_path(path: Path) -> list[LedgerRow]:
+        """Read rows from a ledger file path (complete lines only)."""
+        out: list[LedgerRow] = []
+        with path.open("rb") as fh:
+            for raw in fh:
+                if raw.endswith(b"\n"):
+                    out.append(LedgerRow.model_validate_json(raw))
+        return out
+
+    def blob_dir(self, task_id: str) -> Path:
+        """Directory of a task's large outputs."""
+        return self.path(task_id).parent / "blobs"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def default_store() -> LedgerStore:
+    """The store under ``$STOPLINE_HOME/ledger``."""
+    return LedgerStore(load_settings().ledger_dir)
+
+
+def dump_rows_jsonl(rows: list[LedgerRow]) -> str:
+    """Rows as JSONL text (one object per line), as the ledger file holds them."""
+    return "".join(json.dumps(r.model_dump(mode="json")) + "\n" for r in rows)
+
+
+@activity.defn(name=LEDGER_FLUSH_ACTIVITY)
+async def ledger_flush(inp: LedgerFlushInput) -> int:
+    """Append rows to the task's ledger and fsync; kill aborted calls' groups.
+
+    Order matters (seed 002): the process groups of aborted calls are killed
+    first (the irreversible step: nothing of theirs goes on writing), then
+    the receipts and marker are appended and fsynced; the workflow publishes
+    ``turn_aborted`` only after this returns.
+
+    Args:
+        inp: Task id, rows, call ids to kill, whether to close shells.
+
+    Returns:
+        The last seq now in the ledger file.
+
+    Raises:
+        LedgerCorrupt: On a seq gap (non-retryable by nature; a bug).
+    """
+    from activities.tools import close_unattended_shells, kill_call_groups
+
+    if inp.kill_calls:
+        kill_call_groups(inp.task_id, inp.kill_calls)
+    if inp.close_shells:
+        close_unattended_shells(inp.task_id)
+    store = default_store()
+    store.append(inp.task_id, inp.rows)
+    return store.last_seq(inp.task_id)

