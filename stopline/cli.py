@@ -1,0 +1,567 @@
+"""The ``stopline`` command line.
+
+Commands: ``up`` / ``down`` (embedded dev server + worker in the
+background), ``run`` (start a task and follow it), ``status``,
+``transcript``, ``list``, ``interrupt``, ``message``, ``demo``,
+``scripted-server``, ``worker``.
+
+``run`` without ``up`` starts what it needs (dev server, worker, a scripted
+server for ``--model scripted:FILE``) and stops what it started when the task
+ends; with ``--detach`` they keep running until ``stopline down`` (the
+scripted server exits by itself once the task is closed). Everything is
+stopped by its own PID, never by name.
+
+Exit codes of ``run`` / ``demo``: 0 completed, 1 failed, 3 stopped, 2 usage
+or set-up error, 130 detached by a second Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from datetime import timedelta
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from stopline.contracts import (
+    AGENT_TASK_WORKFLOW,
+    EVENTS_TOPIC,
+    AgentTaskInput,
+    AgentTaskResult,
+    InterruptResult,
+    LedgerRow,
+    MessageAck,
+    TaskEvent,
+    TaskLimits,
+    TaskStatus,
+)
+from stopline.settings import Settings, load_settings
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+EXIT_CODES = {"completed": 0, "failed": 1, "stopped": 3}
+
+
+class UsageError(Exception):
+    """A command-line or set-up problem; printed, exit code 2."""
+
+
+# ---------------------------------------------------------------------------
+# Runtime: what a command needs running, and stopping what it started.
+# ---------------------------------------------------------------------------
+
+
+async def _runtime(settings: Settings, stack: AsyncExitStack, *, keep: bool) -> str:
+    """Ensure a Temporal server and a worker; register cleanup of what we start.
+
+    With ``TEMPORAL_ADDRESS`` set, nothing is started (a worker must be
+    running there: ``python worker.py``).
+
+    Returns:
+        The Temporal address.
+    """
+    from stopline import runtime
+
+    if settings.temporal_address:
+        return settings.temporal_address
+    server = runtime.dev_server(settings)
+    worker = runtime.background_worker(settings)
+    server_running = server.pid() is not None
+    address = runtime.start_dev_server(settings)
+    if not server_running and not keep:
+        stack.callback(server.stop)
+    if worker.pid() is None:
+        runtime.start_background_worker(settings, address)
+        if not keep:
+            stack.callback(worker.stop)
+    return address
+
+
+def _start_scripted(
+    settings: Settings, scenario_path: Path, task_id: str, address: str, stack: AsyncExitStack
+) -> tuple[str, str]:
+    """Start a scripted server for one task; it exits when the task closes.
+
+    Returns:
+        ``(model_ref, base_url)`` for the task input.
+    """
+    from activities.providers.registry import WIRE_TO_PROVIDER
+    from stopline.scripted import load_scenario
+    from stopline.runtime import Managed
+
+    scenario = load_scenario(scenario_path)
+    run_dir = settings.home / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ready = run_dir / f"scripted-{task_id}.port"
+    ready.unlink(missing_ok=True)
+    managed = Managed("scripted", run_dir / f"scripted-{task_id}.pid", run_dir / f"scripted-{task_id}.log")
+    with managed.log_file.open("ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "stopline.cli", "scripted-server",
+                "--scenario", str(scenario_path), "--port", "0",
+                "--ready-file", str(ready), "--exit-when-task-done", task_id,
+                "--temporal-address", address,
+            ],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    managed.pid_file.write_text(str(proc.pid))
+    stack.callback(managed.stop, 5.0)
+    import time
+
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise UsageError(f"scripted server did not start; see {managed.log_file}")
+        time.sleep(0.05)
+    port = int(ready.read_text().strip())
+    ready.unlink(missing_ok=True)
+    return f"{WIRE_TO_PROVIDER[scenario['wire']]}:scripted", f"http://127.0.0.1:{port}"
+
+
+async def _client(settings: Settings, address: str | None = None) -> Any:
+    from stopline.runtime import connect
+
+    return await connect(settings, address=address or _address(settings))
+
+
+def _address(settings: Settings) -> str:
+    if settings.temporal_address:
+        return settings.temporal_address
+    from stopline.runtime import dev_server
+
+    if dev_server(settings).pid() is None:
+        raise UsageError("no Temporal server: run `stopline up` or set TEMPORAL_ADDRESS")
+    return f"127.0.0.1:{settings.dev_server_port}"
+
+
+# ---------------------------------------------------------------------------
+# Following a task.
+# ---------------------------------------------------------------------------
+
+
+def _print_event(ev: TaskEvent) -> None:
+    if ev.kind == "turn_started":
+        console.print(f"[dim]── round {ev.round}[/dim]")
+    elif ev.kind == "assistant_text":
+        console.print(f"[bold]assistant:[/bold] {ev.text}")
+    elif ev.kind == "tool_call_started":
+        console.print(f"  [cyan]▶ {ev.tool_name}[/cyan] [dim]{ev.call_id}[/dim]")
+    elif ev.kind == "tool_call_finished":
+        mark = "[green]✓[/green]" if ev.ok else "[red]✗[/red]"
+        first = ev.text.splitlines()[0] if ev.text else ""
+        console.print(f"  {mark} {ev.tool_name}: [dim]{first[:120]}[/dim]")
+    elif ev.kind == "turn_aborted":
+        console.print("[yellow]turn aborted by user[/yellow]")
+    elif ev.kind == "task_finished":
+        console.print(f"[bold]task finished:[/bold] {ev.text}")
+
+
+async def _follow(client: Any, task_id: str, on_event: Callable[[TaskEvent], None]) -> None:
+    """Print a task's events until ``task_finished``."""
+    from temporalio.contrib.workflow_streams import WorkflowStreamClient
+
+    stream = WorkflowStreamClient.create(client, task_id)
+    topic = stream.topic(EVENTS_TOPIC, type=TaskEvent)
+    async for item in topic.subscribe(poll_cooldown=timedelta(milliseconds=50)):
+        on_event(item.data)
+        if item.data.kind == "task_finished":
+            return
+
+
+def _print_result(result: AgentTaskResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.model_dump(include={
+            "task_id", "status", "refused", "reason", "rounds", "provider_calls"
+        })))
+    else:
+        color = {"completed": "green", "failed": "red", "stopped": "yellow"}[result.status]
+        console.print(
+            f"[{color}]{result.status}[/{color}] {result.task_id}: {result.reason} "
+            f"(rounds {result.rounds}, provider calls {result.provider_calls})"
+        )
+
+
+async def _run_task(
+    settings: Settings,
+    *,
+    prompt: str,
+    model: str,
+    workspace: Path,
+    limits: TaskLimits,
+    detach: bool,
+    as_json: bool,
+    quiet_events: bool = False,
+    task_id: str | None = None,
+) -> int:
+    task_id = task_id or f"task-{uuid.uuid4().hex[:12]}"
+    if not workspace.is_dir():
+        raise UsageError(f"workspace {workspace} is not a directory")
+    async with AsyncExitStack() as stack:
+        address = await _runtime(settings, stack, keep=detach)
+        base_url = None
+        if model.startswith("scripted:"):
+            model, base_url = _start_scripted(
+                settings, Path(model.split(":", 1)[1]).resolve(), task_id, address, stack
+            )
+            if detach:
+                stack.pop_all()  # the scripted server exits by itself when the task closes
+        client = await _client(settings, address)
+        handle = await client.start_workflow(
+            AGENT_TASK_WORKFLOW,
+            AgentTaskInput(
+                prompt=prompt, model=model, workspace=str(workspace.resolve()),
+                limits=limits, base_url=base_url,
+                host_task_queue=settings.resolved_host_task_queue(),
+            ),
+            id=task_id,
+            task_queue=settings.task_queue,
+            result_type=AgentTaskResult,
+        )
+        if detach:
+            if as_json:
+                print(json.dumps({"task_id": task_id, "status": "running"}))
+            else:
+                console.print(f"started {task_id} (detached); follow with `stopline status {task_id}`")
+            return 0
+        if not as_json:
+            console.print(f"task [bold]{task_id}[/bold] on {address}")
+        outcome = await _follow_with_interrupts(client, handle, task_id, quiet_events or as_json)
+        if outcome == "detached":
+            console.print(f"detached; {task_id} keeps waiting. `stopline message {task_id} TEXT` continues it.")
+            stack.pop_all()
+            return 130
+        result = await handle.result()
+        _print_result(result, as_json)
+        return EXIT_CODES[result.status]
+
+
+async def _follow_with_interrupts(client: Any, handle: Any, task_id: str, quiet: bool) -> str:
+    """Follow events; first Ctrl-C interrupts the turn, the second detaches."""
+    loop = asyncio.get_running_loop()
+    presses = 0
+    detach = asyncio.Event()
+
+    def on_sigint() -> None:
+        nonlocal presses
+        presses += 1
+        if presses == 1:
+            err_console.print("[yellow]interrupting the turn (Ctrl-C again to detach)…[/yellow]")
+            loop.create_task(_send_interrupt(handle))
+        else:
+            detach.set()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        follow = asyncio.create_task(_follow(client, task_id, (lambda e: None) if quiet else _print_event))
+        stop = asyncio.create_task(detach.wait())
+        done, _ = await asyncio.wait([follow, stop], return_when=asyncio.FIRST_COMPLETED)
+        for t in (follow, stop):
+            if t not in done:
+                t.cancel()
+        if stop in done:
+            return "detached"
+        follow.result()
+        return "finished"
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _send_interrupt(handle: Any) -> None:
+    res: InterruptResult = await handle.execute_update("interrupt", result_type=InterruptResult)
+    err_console.print(
+        f"[yellow]interrupted[/yellow]: aborted {len(res.aborted_calls)} call(s), kept "
+        f"{len(res.kept_calls)}; the task waits for `stopline message {handle.id} TEXT`"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Commands.
+# ---------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from stopline import runtime
+
+    if settings.temporal_address:
+        raise UsageError("TEMPORAL_ADDRESS is set: run `python worker.py` against it instead")
+    address = runtime.start_dev_server(settings)
+    pid = runtime.start_background_worker(settings, address)
+    console.print(f"Temporal dev server on {address} (UI http://127.0.0.1:{settings.dev_server_ui_port})")
+    console.print(f"worker pid {pid}; logs in {settings.home / 'run'}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
+    from stopline import runtime
+
+    stopped_worker = runtime.background_worker(settings).stop()
+    stopped_server = runtime.dev_server(settings).stop()
+    console.print(
+        f"worker {'stopped' if stopped_worker else 'not running'}; "
+        f"dev server {'stopped' if stopped_server else 'not running'}"
+    )
+    return 0
+
+
+def _limits(args: argparse.Namespace) -> TaskLimits:
+    kw: dict[str, Any] = {}
+    if args.max_rounds is not None:
+        kw["max_rounds"] = args.max_rounds
+    if args.tool_timeout is not None:
+        kw["tool_timeout_s"] = args.tool_timeout
+    if args.grace is not None:
+        kw["interrupt_grace_s"] = args.grace
+    else:
+        kw["interrupt_grace_s"] = load_settings().interrupt_grace_s
+    return TaskLimits(**kw)
+
+
+def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    return asyncio.run(_run_task(
+        settings, prompt=args.prompt, model=args.model, workspace=Path(args.workspace),
+        limits=_limits(args), detach=args.detach, as_json=args.json,
+    ))
+
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    data = resources.files("stopline.data") / "demo"
+    work = Path(tempfile.mkdtemp(prefix="stopline-demo-"))
+    with resources.as_file(data / "workspace") as src:
+        shutil.copytree(src, work / "workspace")
+    with resources.as_file(data / "scenario.json") as scen:
+        scenario = work / "scenario.json"
+        shutil.copy(scen, scenario)
+    task_id = f"demo-{uuid.uuid4().hex[:8]}"
+    if not args.json:
+        console.print(f"demo workspace: {work / 'workspace'}")
+    code = asyncio.run(_run_task(
+        settings,
+        prompt="The tests in this workspace fail. Find the bug, fix it, and make the tests pass.",
+        model=f"scripted:{scenario}", workspace=work / "workspace",
+        limits=TaskLimits(max_rounds=10, interrupt_grace_s=settings.interrupt_grace_s),
+        detach=False, as_json=args.json, task_id=task_id,
+    ))
+    if not args.json:
+        console.print(f"workspace:  {work / 'workspace'}")
+        console.print(f"transcript: {settings.ledger_dir / task_id / 'ledger.jsonl'}")
+    return code
+
+
+async def _handle(settings: Settings, task_id: str) -> tuple[Any, Any]:
+    client = await _client(settings)
+    return client, client.get_workflow_handle(task_id, result_type=AgentTaskResult)
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    async def go() -> int:
+        _, handle = await _handle(settings, args.id)
+        desc = await handle.describe()
+        try:
+            st: TaskStatus | None = await handle.query("status", result_type=TaskStatus)
+        except Exception:  # a closed run with no worker to answer
+            st = None
+        out = {
+            "task_id": args.id,
+            "workflow_status": desc.status.name if desc.status else None,
+            "state": st.state if st else None,
+            "round": st.round if st else None,
+            "rows": st.rows if st else None,
+            "result": st.result.model_dump(mode="json") if st and st.result else None,
+        }
+        if args.json:
+            print(json.dumps(out))
+        else:
+            for k, v in out.items():
+                console.print(f"{k:16} {v}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
+    from activities.ledger import LedgerStore
+
+    rows: list[LedgerRow] = LedgerStore(settings.ledger_dir).read(args.id)
+    if not rows:
+        raise UsageError(f"no ledger for {args.id} under {settings.ledger_dir}")
+    for row in rows:
+        if args.json:
+            print(row.model_dump_json())
+            continue
+        vis = "" if row.model_visible else " [dim](hidden from model)[/dim]"
+        head = f"[bold]#{row.seq} r{row.round} {row.kind}[/bold]{vis}"
+        if row.kind == "tool_result":
+            head += f" {row.tool_name} {row.call_id} ok={row.ok}"
+        console.print(head)
+        if row.text:
+            console.print(row.text, markup=False)
+        for call in row.tool_calls:
+            console.print(f"  → {call.name}({call.raw_arguments[:300]})", markup=False)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
+    async def go() -> int:
+        client = await _client(settings)
+        async for wf in client.list_workflows(f"WorkflowType = '{AGENT_TASK_WORKFLOW}'"):
+            console.print(f"{wf.id:28} {wf.status.name if wf.status else '?':12} {wf.start_time:%Y-%m-%d %H:%M:%S}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
+    async def go() -> int:
+        _, handle = await _handle(settings, args.id)
+        res = await handle.execute_update("interrupt", result_type=InterruptResult)
+        print(res.model_dump_json() if args.json else (
+            f"interrupted: aborted {res.aborted_calls}, kept {res.kept_calls}"
+            if res.interrupted else "no turn was running; nothing changed"
+        ))
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_message(args: argparse.Namespace, settings: Settings) -> int:
+    async def go() -> int:
+        _, handle = await _handle(settings, args.id)
+        ack = await handle.execute_update("message", args.text, result_type=MessageAck)
+        console.print(f"message accepted (task {ack.state})")
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_scripted_server(args: argparse.Namespace, settings: Settings) -> int:
+    from stopline.scripted import serve
+
+    exit_when = None
+    if args.exit_when_task_done:
+        exit_when = _task_closed_probe(settings, args.exit_when_task_done, args.temporal_address)
+    serve(args.scenario, host=args.host, port=args.port, ready_file=args.ready_file, exit_when=exit_when)
+    return 0
+
+
+def _task_closed_probe(settings: Settings, task_id: str, address: str | None) -> Callable[[], bool]:
+    """A blocking check: has the task's workflow closed (or never appeared)?"""
+    import time
+
+    started = time.monotonic()
+    loop = asyncio.new_event_loop()
+    state: dict[str, Any] = {}
+
+    async def closed() -> bool:
+        from temporalio.client import WorkflowExecutionStatus
+        from temporalio.service import RPCError
+
+        if "client" not in state:
+            state["client"] = await _client(settings, address)
+        try:
+            desc = await state["client"].get_workflow_handle(task_id).describe()
+        except RPCError:
+            return time.monotonic() - started > 60  # never started
+        return desc.status != WorkflowExecutionStatus.RUNNING
+
+    def probe() -> bool:
+        try:
+            return loop.run_until_complete(closed())
+        except Exception:
+            return time.monotonic() - started > 60
+    return probe
+
+
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from stopline.worker_main import main as worker_main
+
+    worker_main()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (one sub-command per verb)."""
+    p = argparse.ArgumentParser(prog="stopline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--home", help="state directory (default $STOPLINE_HOME or ~/.stopline)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("up", help="start the embedded Temporal dev server and a worker").set_defaults(fn=cmd_up)
+    sub.add_parser("down", help="stop what `up` started").set_defaults(fn=cmd_down)
+
+    r = sub.add_parser("run", help="start a task and follow it")
+    r.add_argument("prompt")
+    r.add_argument("--model", default="anthropic:claude-sonnet-4-5",
+                   help="provider:model (anthropic, openai, openai-responses, openai-compat) or scripted:FILE")
+    r.add_argument("--workspace", default=".")
+    r.add_argument("--max-rounds", type=int)
+    r.add_argument("--tool-timeout", type=float, help="per-tool timeout, seconds")
+    r.add_argument("--grace", type=float, help="interrupt grace period, seconds (default 0.1)")
+    r.add_argument("--detach", action="store_true")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=cmd_run)
+
+    d = sub.add_parser("demo", help="run the bundled demo task on the embedded server")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+
+    for name, fn, hlp in (
+        ("status", cmd_status, "a task's state"),
+        ("transcript", cmd_transcript, "a task's ledger"),
+        ("interrupt", cmd_interrupt, "abort a task's current turn"),
+    ):
+        c = sub.add_parser(name, help=hlp)
+        c.add_argument("id")
+        c.add_argument("--json", action="store_true")
+        c.set_defaults(fn=fn)
+
+    m = sub.add_parser("message", help="send a task a user message")
+    m.add_argument("id")
+    m.add_argument("text")
+    m.set_defaults(fn=cmd_message)
+
+    sub.add_parser("list", help="list tasks").set_defaults(fn=cmd_list)
+    sub.add_parser("worker", help="run a worker in the foreground").set_defaults(fn=cmd_worker)
+
+    s = sub.add_parser("scripted-server", help="serve a scenario's recorded provider responses")
+    s.add_argument("--scenario", required=True)
+    s.add_argument("--port", type=int, default=0)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--ready-file")
+    s.add_argument("--exit-when-task-done", metavar="TASK_ID")
+    s.add_argument("--temporal-address")
+    s.set_defaults(fn=cmd_scripted_server)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``stopline`` console script."""
+    args = build_parser().parse_args(argv)
+    settings = load_settings(home=Path(args.home) if args.home else None)
+    from stopline.logging import configure_logging
+
+    configure_logging(settings)
+    try:
+        return int(args.fn(args, settings) or 0)
+    except UsageError as e:
+        err_console.print(f"[red]error:[/red] {e}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

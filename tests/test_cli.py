@@ -1,0 +1,85 @@
+"""The CLI as a user runs it: ``stopline demo`` on its embedded default, and
+``up`` / ``run`` / ``status`` / ``list`` / ``down``. Each starts its own dev
+server on free ports under a temporary ``STOPLINE_HOME`` and must leave
+nothing running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stopline.runtime import free_port, port_open
+from stopline.scripted import anthropic_message, entry, scenario
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TEMPORAL_ADDRESS", "STOPLINE_HOME")}
+    env.update(
+        STOPLINE_HOME=str(tmp_path / "home"),
+        STOPLINE_DEV_SERVER_PORT=str(free_port()),
+        STOPLINE_DEV_SERVER_UI_PORT=str(free_port()),
+        STOPLINE_HOST_TASK_QUEUE=f"host-{tmp_path.name}",
+    )
+    return env
+
+
+def _stopline(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stopline.cli", *args],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_demo_runs_on_the_embedded_server_and_stops_it(cli_env: dict[str, str]) -> None:
+    proc = _stopline(cli_env, "demo", "--json")
+    try:
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["status"] == "completed" and result["rounds"] == 5
+        ledger = Path(cli_env["STOPLINE_HOME"]) / "ledger" / result["task_id"] / "ledger.jsonl"
+        rows = [json.loads(line) for line in ledger.read_text().splitlines()]
+        assert any(r["kind"] == "tool_result" and "FAILED (failures=2)" in r["text"] for r in rows)
+        # what demo started, it stopped
+        assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+        run = Path(cli_env["STOPLINE_HOME"]) / "run"
+        assert not list(run.glob("*.pid")), list(run.glob("*.pid"))
+    finally:
+        _stopline(cli_env, "down")
+
+
+def test_up_run_status_list_down(cli_env: dict[str, str], tmp_path: Path) -> None:
+    scen = tmp_path / "s.json"
+    scen.write_text(json.dumps(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "exit 4"})])),
+        entry(anthropic_message("reported the exit code")),
+    )))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    try:
+        up = _stopline(cli_env, "up")
+        assert up.returncode == 0, up.stderr + up.stdout
+        assert port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+        run = _stopline(cli_env, "run", "go", "--model", f"scripted:{scen}", "--workspace", str(ws), "--json")
+        assert run.returncode == 0, run.stderr + run.stdout
+        task_id = json.loads(run.stdout.strip().splitlines()[-1])["task_id"]
+        # run did not stop what `up` started
+        assert port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+        status = _stopline(cli_env, "status", task_id, "--json")
+        assert status.returncode == 0, status.stderr
+        st = json.loads(status.stdout)
+        assert st["workflow_status"] == "COMPLETED" and st["result"]["status"] == "completed"
+        listing = _stopline(cli_env, "list")
+        assert task_id in listing.stdout
+        missing = _stopline(cli_env, "run", "x", "--workspace", str(tmp_path / "nope"))
+        assert missing.returncode == 2 and "not a directory" in missing.stderr
+    finally:
+        down = _stopline(cli_env, "down")
+    assert down.returncode == 0
+    assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
