@@ -19,6 +19,7 @@ workflow did not hand it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from temporalio import activity
 
+from activities.tools._state import safe_component
 from stopline.contracts import LEDGER_FLUSH_ACTIVITY, LedgerFlushInput, LedgerRow
 from stopline.settings import load_settings
 
@@ -60,8 +62,7 @@ class LedgerStore:
 
     def path(self, task_id: str) -> Path:
         """Path of a task's JSONL ledger file."""
-        safe = task_id.replace("/", "_")
-        return self.root / safe / "ledger.jsonl"
+        return self.root / safe_component(task_id) / "ledger.jsonl"
 
     def read(self, task_id: str, upto_seq: int | None = None) -> list[LedgerRow]:
         """Read a task's rows in order.
@@ -228,7 +229,8 @@ async def ledger_flush(inp: LedgerFlushInput) -> int:
     if inp.kill_calls:
         kill_call_groups(inp.task_id, inp.kill_calls)
     if inp.close_shells:
-        close_unattended_shells(inp.task_id)
+        # blocks up to grace + 1 s while shells exit: off the event loop
+        await asyncio.to_thread(close_unattended_shells, inp.task_id)
     store = default_store()
     store.append(inp.task_id, inp.rows)
     return store.last_seq(inp.task_id)

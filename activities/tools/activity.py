@@ -1,0 +1,72 @@
+"""The ``stopline.tool`` activity: one tool call, heartbeating, cancellable.
+
+Why this module exists: it is the thin Temporal adapter around
+:func:`.registry.run_tool`. It heartbeats every 20 ms for the whole call
+(:func:`activities._heartbeat.heartbeating`) because a heartbeat response is
+how Temporal delivers a cancel — a tool sleeping silently must still learn of
+an interrupt within the grace (DESIGN §3) — and the heartbeat details say
+whether the call has reached its terminal state (``{"terminal": bool}``).
+
+How a cancel ends: the foreground shell catches ``CancelledError``, SIGTERMs
+its process group, SIGKILLs it after ``kill_grace_s`` and *returns*
+``RespondToModel(aborted=True, terminal=False)`` with the output so far. A
+cancel that lands anywhere else (between handlers, while the heartbeat loop
+is being stopped) is caught here: a call that already has its result returns
+it (terminal; the real result is kept, DESIGN §3 step 2), otherwise an
+aborted result is returned. So this activity always *completes* with a
+``RespondToModel`` / ``Fatal``; it never reports itself cancelled. The
+workflow decides whether a late result is used (DESIGN §3 step 3).
+
+What it must never do: re-raise a cancel (the result would be lost), retry
+a tool (a tool call is never silently re-run, DESIGN §5), or do work other
+than through :func:`run_tool`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from temporalio import activity
+
+from activities._heartbeat import heartbeating
+from stopline.contracts import TOOL_ACTIVITY, Fatal, RespondToModel, ToolCallInput
+
+from ._context import CallProgress
+from .procs import uncancel_current_task
+from .registry import run_tool
+
+
+@activity.defn(name=TOOL_ACTIVITY)
+async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
+    """Run one tool call under heartbeats; always return an outcome.
+
+    Args:
+        inp: The call.
+
+    Returns:
+        The tool's outcome (see :func:`activities.tools.run_tool`). After a
+        cancel: ``aborted=True, terminal=False`` unless the call had already
+        reached its terminal state, whose real result is returned instead.
+    """
+    progress = CallProgress()
+    started = time.monotonic()
+    outcome: RespondToModel | Fatal | None = None
+    try:
+        async with heartbeating(details=lambda: {"terminal": progress.terminal}):
+            outcome = await run_tool(inp, progress=progress)
+    except asyncio.CancelledError:
+        uncancel_current_task()
+        if outcome is None:
+            elapsed = time.monotonic() - started
+            outcome = RespondToModel(
+                ok=True,
+                aborted=True,
+                terminal=False,
+                elapsed_s=round(elapsed, 3),
+                text=(
+                    f"aborted by user after {elapsed:.1f}s; the tool {inp.call.name} "
+                    "may have partly run."
+                ),
+            )
+    return outcome

@@ -1,0 +1,344 @@
+"""Process groups: find their members, signal them, end them, remember them.
+
+Why this module exists: a foreground ``shell`` call owns one process group
+(it is started with ``start_new_session=True``) and DESIGN §3 requires the
+whole group to be gone when the call returns — after a normal exit, a
+timeout, or a user interrupt (SIGTERM first so cleanup traps run, SIGKILL
+after the grace). While a call runs its group is recorded on disk so the
+workflow's hard-abort step and crash recovery (another activity, maybe
+another worker process) can SIGKILL it: :func:`kill_call_groups`.
+
+What it must never do: signal a group it was not told about (no killing by
+name, no walking other sessions), or block the event loop waiting for a
+process (:func:`terminate_group` polls with ``asyncio.sleep``; the ``_sync``
+variant is for plain threads and short graces only).
+
+"Member" means a live, non-zombie process whose process group id is the
+group's: a zombie has nothing left to kill, and in a container whose PID 1
+never reaps, zombies of re-parented children would otherwise look alive
+forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import psutil
+
+from stopline.settings import Settings, load_settings
+
+from ._state import call_record_path, read_json, write_json_atomic
+
+#: Seconds between checks while waiting for a group to empty.
+POLL_S = 0.005
+#: Seconds to wait for SIGKILLed processes to disappear before giving up.
+KILL_SETTLE_S = 1.0
+
+GroupEnd = Literal["gone", "SIGTERM", "SIGKILL"]
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """``(state, pgrp)`` of ``pid`` from ``/proc/<pid>/stat``; ``None`` if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[2])
+    except (IndexError, ValueError):
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``.
+
+    Args:
+        pgid: Process group id.
+
+    Returns:
+        Their pids (empty when the group is gone).
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass  # exists, owned by someone else: still report its members
+    members: list[int] = []
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            st = _proc_stat(int(entry))
+            if st is not None and st[1] == pgid and st[0] not in ("Z", "X"):
+                members.append(int(entry))
+        return members
+    for proc in psutil.process_iter():  # pragma: no cover - non-Linux fallback
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return members
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to every process in group ``pgid``.
+
+    Returns:
+        ``True`` when the signal was delivered, ``False`` when the group no
+        longer exists (or is not ours to signal).
+    """
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+async def terminate_group(
+    pgid: int,
+    grace_s: float,
+    *,
+    reap: Callable[[], object] | None = None,
+    hurry: Callable[[], bool] | None = None,
+) -> GroupEnd:
+    """SIGTERM the group, wait up to ``grace_s`` seconds for it to empty, then SIGKILL.
+
+    DESIGN §3: TERM first so ``trap ... TERM`` cleanup handlers run (TERM goes
+    to the whole group, so a foreground ``sleep`` a script waits on dies too
+    and the script's trap runs), KILL at the end of the grace.
+
+    A second cancellation while waiting skips the rest of the grace and
+    goes straight to SIGKILL (this coroutine swallows it: the group must be
+    gone whatever happens to the caller).
+
+    Args:
+        pgid: Process group id.
+        grace_s: Seconds between SIGTERM and SIGKILL.
+        reap: Called on every check (e.g. ``Popen.poll``) so a leader that
+            exited is reaped.
+        hurry: When it returns ``True``, stop waiting and SIGKILL now.
+
+    Returns:
+        ``"gone"`` if the group was already empty, ``"SIGTERM"`` if it emptied
+        within the grace, ``"SIGKILL"`` if it had to be killed.
+    """
+    if reap is not None:
+        reap()
+    if not group_members(pgid):
+        return "gone"
+    signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    cut_short = False
+    while True:
+        if reap is not None:
+            reap()
+        if not group_members(pgid):
+            return "SIGTERM"
+        if cut_short or time.monotonic() >= deadline or (hurry is not None and hurry()):
+            break
+        try:
+            await asyncio.sleep(min(POLL_S, max(deadline - time.monotonic(), 0)))
+        except asyncio.CancelledError:
+            uncancel_current_task()
+            cut_short = True
+    signal_group(pgid, signal.SIGKILL)
+    settle = time.monotonic() + KILL_SETTLE_S
+    while time.monotonic() < settle:
+        if reap is not None:
+            reap()
+        if not group_members(pgid):
+            break
+        try:
+            await asyncio.sleep(POLL_S)
+        except asyncio.CancelledError:
+            uncancel_current_task()
+            break
+    return "SIGKILL"
+
+
+def terminate_groups_sync(
+    pgids: Iterable[int], grace_s: float, *, reap: Callable[[], object] | None = None
+) -> dict[int, GroupEnd]:
+    """Blocking :func:`terminate_group` for several groups sharing one grace.
+
+    For plain (non-async) callers such as :func:`close_unattended_shells`;
+    blocks for at most ``grace_s`` + :data:`KILL_SETTLE_S` seconds.
+
+    Returns:
+        pgid -> how it ended (see :func:`terminate_group`).
+    """
+    result: dict[int, GroupEnd] = {}
+    live = []
+    for pgid in pgids:
+        if group_members(pgid) and signal_group(pgid, signal.SIGTERM):
+            live.append(pgid)
+        else:
+            result[pgid] = "gone"
+    deadline = time.monotonic() + grace_s
+    while live:
+        if reap is not None:
+            reap()
+        for pgid in [p for p in live if not group_members(p)]:
+            result[pgid] = "SIGTERM"
+            live.remove(pgid)
+        if not live or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)
+    for pgid in live:
+        signal_group(pgid, signal.SIGKILL)
+        result[pgid] = "SIGKILL"
+    settle = time.monotonic() + KILL_SETTLE_S
+    while live and time.monotonic() < settle:
+        if reap is not None:
+            reap()
+        live = [p for p in live if group_members(p)]
+        if live:
+            time.sleep(POLL_S)
+    return result
+
+
+def uncancel_current_task() -> None:
+    """Undo one ``Task.cancel()`` we deliberately swallow (keeps ``asyncio.timeout`` honest)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        task.uncancel()
+
+
+def pipe_holders(fd: int) -> list[int]:
+    """Pids (other than ours) holding the other end of the pipe read through ``fd``.
+
+    Best effort via ``/proc/<pid>/fd``; used only to tell the model which
+    process escaped the group (``setsid``) while keeping the output pipe.
+    """
+    try:
+        ino = os.fstat(fd).st_ino
+    except OSError:
+        return []
+    target = f"pipe:[{ino}]"
+    me = os.getpid()
+    holders: list[int] = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{name}") == target:
+                    holders.append(pid)
+                    break
+            except OSError:
+                continue
+    return holders
+
+
+# ---------------------------------------------------------------------------
+# Per-call records: what the hard abort and crash recovery kill.
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """The process group of a running foreground call (as stored on disk)."""
+
+    pgid: int
+    pid: int
+    started_at: float
+
+
+def record_call(settings: Settings, task_id: str, call_id: str, *, pid: int, pgid: int) -> CallRecord:
+    """Write ``<procs_dir>/<task_id>/<call_id>.json`` for a call that just spawned.
+
+    Args:
+        settings: Where the state lives.
+        task_id: Owning task.
+        call_id: The tool call.
+        pid: Leader pid.
+        pgid: Its process group id.
+
+    Returns:
+        The record written (``started_at`` in Unix seconds).
+    """
+    rec = CallRecord(pgid=pgid, pid=pid, started_at=time.time())
+    write_json_atomic(
+        call_record_path(settings, task_id, call_id),
+        {"pgid": rec.pgid, "pid": rec.pid, "started_at": rec.started_at},
+    )
+    return rec
+
+
+def forget_call(settings: Settings, task_id: str, call_id: str) -> None:
+    """Remove a call's record (the call returned and its group is gone)."""
+    try:
+        call_record_path(settings, task_id, call_id).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _pid_reused(pid: int, started_at: float) -> bool:
+    """Whether ``pid`` now names a process started after the recorded one."""
+    try:
+        return psutil.Process(pid).create_time() > started_at + 2.0
+    except psutil.Error:
+        return False
+
+
+def kill_call_groups(
+    task_id: str, call_ids: list[str], *, settings: Settings | None = None
+) -> list[int]:
+    """SIGKILL the recorded process groups of ``call_ids`` and forget them.
+
+    The irreversible step of an abort (DESIGN §3: at the end of the grace,
+    nothing may go on writing to disk) and of crash recovery (a worker that
+    died left its calls' groups running). Synchronous and quick: one
+    ``killpg`` per record, no waiting.
+
+    Args:
+        task_id: Owning task.
+        call_ids: Tool call ids; ids without a record (finished calls,
+            calls that never spawned a process) are skipped.
+        settings: Where state lives; default :func:`load_settings`.
+
+    Returns:
+        The pgids that were signalled (groups already gone are not listed).
+    """
+    settings = settings or load_settings()
+    signalled: list[int] = []
+    for call_id in call_ids:
+        path = call_record_path(settings, task_id, call_id)
+        data = read_json(path)
+        if data is not None:
+            try:
+                pgid = int(data["pgid"])
+                started_at = float(data.get("started_at", 0.0))
+            except (KeyError, TypeError, ValueError):
+                pgid = 0
+                started_at = 0.0
+            if (
+                pgid > 1
+                and not _pid_reused(pgid, started_at)
+                and group_members(pgid)
+                and signal_group(pgid, signal.SIGKILL)
+            ):
+                signalled.append(pgid)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    return signalled

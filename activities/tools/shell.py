@@ -1,0 +1,707 @@
+"""The ``shell`` tool: foreground commands that leave nothing behind, background shells that do.
+
+Why this module exists: DESIGN §3 gives a foreground ``shell`` call strict
+edges. It owns one process group (``start_new_session=True``) and, when the
+call returns, that whole group is gone — after a normal exit (left-over
+children are stopped too), a timeout, or a user interrupt. Stopping is
+SIGTERM to the group first (so ``trap ... TERM`` cleanup runs), SIGKILL after
+``kill_grace_s``. Output is captured head + tail (:mod:`.capture`) and drained
+with a bounded deadline, so a grandchild that left the group (``setsid``) but
+still holds the pipe cannot hang the call. Background shells are started
+explicitly and are the only processes that outlive a call; they are not
+stopped by an interrupt (DESIGN §3), only by ``shell_kill`` or
+:func:`close_unattended_shells` when a task completes normally.
+
+Cancellation: Temporal delivers an interrupt as ``asyncio.CancelledError``
+inside the activity. The foreground runner catches it, stops the group, and
+*returns* ``RespondToModel(aborted=True, terminal=False)`` with the output so
+far — it never re-raises — unless the process had already exited, in which
+case the real result is returned (``terminal=True``).
+
+Why not ``asyncio.create_subprocess_exec``: its ``Process.wait()`` only
+returns once every pipe is closed, so a grandchild holding stdout would hang
+the call. Here the leader's exit is watched through a pidfd and the pipes are
+read with ``loop.add_reader``, both owned and closed by this module.
+
+What it must never do: return while a process of a foreground call's group
+is alive; keep more than the capture budget in memory; pass the worker's
+secrets to a child (variables whose names look like credentials — API keys,
+tokens, secrets, passwords — are removed from the child's environment, since
+anything a command prints reaches the model and the ledger; DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stopline.contracts import RespondToModel
+from stopline.settings import Settings, load_settings
+
+from ._context import ToolContext
+from ._state import (
+    blob_path,
+    blob_ref,
+    read_json,
+    shells_task_dir,
+    write_json_atomic,
+)
+from .capture import OutputCapture, StreamName, clip_text, omitted_marker
+from .procs import (
+    forget_call,
+    group_members,
+    pipe_holders,
+    record_call,
+    terminate_group,
+    terminate_groups_sync,
+    uncancel_current_task,
+)
+
+#: Seconds to keep reading output after the group is gone (a process that
+#: escaped the group may hold the pipe open forever).
+DRAIN_DEADLINE_S = 0.5
+#: The same after an abort: the interrupt's grace is short (DESIGN §3), so
+#: an escaped pipe holder delays the aborted result by at most this much.
+ABORT_DRAIN_DEADLINE_S = 0.05
+#: Bytes per ``os.read`` of an output pipe.
+READ_CHUNK = 1 << 20
+#: Bytes reserved in ``output_cap_bytes`` for the status line, section
+#: headers, omission markers and notes.
+TEXT_OVERHEAD_BYTES = 512
+
+_SECRET_NAME = re.compile(r"API_?KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for tool processes: the worker's, minus credential-like variables.
+
+    Returns:
+        ``os.environ`` without names matching API key / secret / token /
+        password / credential (DESIGN §5: secrets never reach history).
+    """
+    return {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}
+
+
+def content_budget(cap_bytes: int) -> int:
+    """Bytes of stdout+stderr shown inline for an ``output_cap_bytes`` cap."""
+    return max(cap_bytes - TEXT_OVERHEAD_BYTES, cap_bytes // 2, 0)
+
+
+def display_command(command: str | list[str]) -> str:
+    """The command as one line for result texts and records."""
+    return command if isinstance(command, str) else shlex.join(command)
+
+
+def to_argv(command: str | list[str]) -> list[str]:
+    """A string runs with ``bash -c``; a list is the argv itself."""
+    return ["bash", "-c", command] if isinstance(command, str) else list(command)
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"killed by signal {name}"
+
+
+def _spawn_error(argv: list[str], cwd: Path, err: OSError) -> str:
+    what = err.strerror or str(err)
+    if err.filename is not None and os.fspath(err.filename) == os.fspath(cwd):
+        return f"could not start {argv[0]!r}: working directory {str(cwd)!r}: {what}"
+    if isinstance(err, FileNotFoundError):
+        return f"could not start {argv[0]!r}: program not found ({what})"
+    return f"could not start {argv[0]!r}: {what}"
+
+
+def _abort_cause() -> str:
+    """Why the activity was cancelled, in the words of the result text."""
+    from temporalio import activity
+
+    details = None
+    if activity.in_activity():
+        with contextlib.suppress(Exception):
+            details = activity.cancellation_details()
+    if details is not None:
+        if details.worker_shutdown:
+            return "aborted because the worker is shutting down"
+        if details.timed_out:
+            return "aborted because the activity timed out"
+        if details.paused:
+            return "aborted because the activity was paused"
+    return "aborted by user"
+
+
+# ---------------------------------------------------------------------------
+# Foreground.
+# ---------------------------------------------------------------------------
+
+
+class _PipeReader:
+    """Read one output pipe from the event loop into the capture until EOF."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        stream: StreamName,
+        capture: OutputCapture,
+    ) -> None:
+        self._loop = loop
+        self.fd = fd
+        self._stream = stream
+        self._capture = capture
+        self.eof = asyncio.Event()
+        os.set_blocking(fd, False)
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, READ_CHUNK)
+        loop.add_reader(fd, self._ready)
+
+    def _ready(self) -> None:
+        try:
+            data = os.read(self.fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._capture.feed(self._stream, data)
+        else:
+            self.close()
+
+    def read_available(self) -> None:
+        """Take whatever is in the pipe right now, without waiting."""
+        while self.fd >= 0:
+            try:
+                data = os.read(self.fd, READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.close()
+                return
+            self._capture.feed(self._stream, data)
+
+    def close(self) -> None:
+        """Stop reading and close the fd (idempotent)."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self.fd)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
+        self.eof.set()
+
+
+class _ExitWatcher:
+    """Learn the moment the leader exits (pidfd), without waiting for its pipes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, popen: subprocess.Popen[bytes]) -> None:
+        self._loop = loop
+        self._popen = popen
+        self._event = asyncio.Event()
+        self._pidfd = -1
+        try:
+            self._pidfd = os.pidfd_open(popen.pid)
+            loop.add_reader(self._pidfd, self._on_exit)
+        except (AttributeError, OSError):
+            self.close()
+
+    def _on_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._pidfd)
+        self._event.set()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the leader to exit (and reap it).
+
+        Returns:
+            ``True`` when it exited, ``False`` on timeout.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._popen.poll() is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._pidfd >= 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._event.wait(), min(remaining, 1.0))
+            else:
+                await asyncio.sleep(min(remaining, 0.01))
+        return True
+
+    def close(self) -> None:
+        """Release the pidfd (idempotent)."""
+        if self._pidfd >= 0:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._pidfd)
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = -1
+
+
+class _Foreground:
+    """One foreground run: spawn, wait, stop the group, drain, render."""
+
+    def __init__(
+        self,
+        ctx: ToolContext,
+        popen: subprocess.Popen[bytes],
+        readers: list[_PipeReader],
+        capture: OutputCapture,
+        started: float,
+    ) -> None:
+        self.ctx = ctx
+        self.popen = popen
+        self.pgid = popen.pid  # start_new_session: the leader's pid is the group id
+        self.readers = readers
+        self.capture = capture
+        self.started = started
+        self.grace_s = ctx.inp.kill_grace_s
+        self.watcher = _ExitWatcher(asyncio.get_running_loop(), popen)
+        self.notes: list[str] = []
+
+    def _reap(self) -> None:
+        self.popen.poll()
+
+    async def run(self, timeout_s: float) -> RespondToModel:
+        try:
+            exited = await self.watcher.wait(timeout_s)
+        except asyncio.CancelledError:
+            uncancel_current_task()
+            if self.popen.poll() is None:
+                return await self._abort()
+            exited = True  # terminal before the cancel arrived: keep the real result
+        self.ctx.progress.terminal = True
+        elapsed = time.monotonic() - self.started
+        if exited:
+            leftover = group_members(self.pgid)
+            if leftover:
+                end = await terminate_group(self.pgid, self.grace_s, reap=self._reap)
+                self.notes.append(
+                    f"note: {len(leftover)} process(es) still running in the command's process "
+                    f"group after it exited were stopped ({end}); use background=true for "
+                    "processes that must keep running"
+                )
+            status = f"{_describe_exit(self.popen.returncode or 0)} after {elapsed:.1f}s"
+        else:
+            end = await terminate_group(self.pgid, self.grace_s, reap=self._reap)
+            how = "SIGTERM" if end != "SIGKILL" else "SIGKILL: it did not exit on SIGTERM"
+            status = f"timed out after {timeout_s:g}s; its process group was stopped ({how})"
+        await self._drain()
+        return self._result(status, terminal=True)
+
+    async def _abort(self) -> RespondToModel:
+        """Cancelled before the process exited: TERM now, KILL after the grace (DESIGN §3)."""
+        cancelled_at = time.monotonic() - self.started
+        end = await terminate_group(self.pgid, self.grace_s, reap=self._reap)
+        if end == "SIGKILL":
+            self.notes.append("note: it did not exit on SIGTERM and was killed with SIGKILL")
+        await self._drain(ABORT_DRAIN_DEADLINE_S)
+        status = (
+            f"{_abort_cause()} after {cancelled_at:.1f}s; the command may have partly run. "
+            "Output so far:"
+        )
+        return self._result(status, terminal=False, aborted=True)
+
+    async def _drain(self, deadline_s: float = DRAIN_DEADLINE_S) -> None:
+        """Read what is left, for at most ``deadline_s`` seconds after the group is gone."""
+        deadline = time.monotonic() + deadline_s
+        try:
+            for reader in self.readers:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(reader.eof.wait(), remaining)
+        except asyncio.CancelledError:
+            uncancel_current_task()
+        holders: set[int] = set()
+        held = False
+        for reader in self.readers:
+            reader.read_available()
+            if reader.fd >= 0:
+                held = True
+                holders.update(pipe_holders(reader.fd))
+                reader.close()
+        if held:
+            who = ", ".join(str(p) for p in sorted(holders)) or "unknown"
+            self.notes.append(
+                f"note: stopped reading output after {deadline_s:g}s: process(es) {who} "
+                "left the command's process group (e.g. setsid) and still hold its output "
+                "pipe; they were not stopped"
+            )
+
+    def _result(self, status: str, *, terminal: bool, aborted: bool = False) -> RespondToModel:
+        self.capture.close()
+        elapsed = time.monotonic() - self.started
+        output_ref = None
+        if self.capture.spilled and self.capture.spill_path is not None:
+            output_ref = blob_ref(self.ctx.settings, self.capture.spill_path)
+        elif self.capture.spill_error:
+            self.notes.append(f"note: the full output could not be saved: {self.capture.spill_error}")
+        text = "\n".join([status, *self.notes, self.capture.render()])
+        return RespondToModel(
+            text=clip_text(text, self.ctx.inp.output_cap_bytes),
+            ok=True,
+            terminal=terminal,
+            aborted=aborted,
+            elapsed_s=round(elapsed, 3),
+            output_ref=output_ref,
+        )
+
+    def cleanup(self) -> None:
+        """Last line of defence (sync): no group member, fd or record survives the call."""
+        if group_members(self.pgid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=1.0)
+        self.watcher.close()
+        for reader in self.readers:
+            reader.close()
+        self.capture.close()
+        forget_call(self.ctx.settings, self.ctx.inp.task_id, self.ctx.inp.call.id)
+
+
+async def run_foreground(
+    ctx: ToolContext, command: str | list[str], cwd: Path, timeout_s: float
+) -> RespondToModel:
+    """Run ``command`` in its own process group and return when the group is gone.
+
+    Args:
+        ctx: The call's context (``kill_grace_s``, ``output_cap_bytes``,
+            state directories).
+        command: A string (run with ``bash -c``) or an argv list.
+        cwd: Working directory, already confined to the workspace.
+        timeout_s: Seconds before the group is stopped (SIGTERM, grace,
+            SIGKILL) and the result says "timed out".
+
+    Returns:
+        ``ok=True`` when it ran (any exit code, timeout, abort); ``ok=False``
+        when it could not be spawned. On cancellation: ``aborted=True``,
+        ``terminal=False`` (never raises ``CancelledError``).
+    """
+    argv = to_argv(command)
+    inp = ctx.inp
+    capture = OutputCapture(
+        content_budget(inp.output_cap_bytes),
+        blob_path(ctx.settings, inp.task_id, inp.call.id),
+    )
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    started = time.monotonic()
+    try:
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                cwd=cwd,
+                env=child_env(),
+                start_new_session=True,
+            )
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+    except OSError as err:
+        os.close(out_r)
+        os.close(err_r)
+        return RespondToModel(ok=False, text=_spawn_error(argv, cwd, err))
+    loop = asyncio.get_running_loop()
+    readers: list[_PipeReader] = []
+    run: _Foreground | None = None
+    try:
+        readers.append(_PipeReader(loop, out_r, "stdout", capture))
+        readers.append(_PipeReader(loop, err_r, "stderr", capture))
+        run = _Foreground(ctx, popen, readers, capture, started)
+        record_call(ctx.settings, inp.task_id, inp.call.id, pid=popen.pid, pgid=popen.pid)
+        return await run.run(timeout_s)
+    finally:
+        if run is not None:
+            run.cleanup()
+        else:  # failed between spawn and run: still leave nothing behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=1.0)
+            for fd in (out_r, err_r):
+                if not any(r.fd == fd for r in readers):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            for reader in readers:
+                reader.close()
+            capture.close()
+
+
+# ---------------------------------------------------------------------------
+# Background shells.
+# ---------------------------------------------------------------------------
+
+#: Background shells this worker process started: (task_id, shell_id) -> Popen.
+#: Held so a waiter thread reaps each child when it exits (no zombies).
+_BACKGROUND: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+#: Exit codes the waiter threads saw: (task_id, shell_id) -> returncode.
+_BACKGROUND_EXIT: dict[tuple[str, str], int] = {}
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def shell_id_for(task_id: str, call_id: str) -> str:
+    """The background shell id a call gets: ``sh-`` + 8 hex digits, stable per (task, call)."""
+    return "sh-" + hashlib.sha1(f"{task_id}\0{call_id}".encode()).hexdigest()[:8]
+
+
+def _record_path(settings: Settings, task_id: str, shell_id: str) -> Path:
+    return shells_task_dir(settings, task_id) / f"{shell_id}.json"
+
+
+def _wait_background(key: tuple[str, str], popen: subprocess.Popen[bytes], record: Path) -> None:
+    """Thread body: reap the child when it exits; note its exit code in the record."""
+    try:
+        rc = popen.wait()
+        with _BACKGROUND_LOCK:
+            _BACKGROUND_EXIT[key] = rc
+        data = read_json(record)
+        if data is not None:
+            data.update(exit_code=rc, ended_at=time.time())
+            write_json_atomic(record, data)
+    except Exception:  # noqa: BLE001 - a reaper thread must never raise
+        pass
+
+
+async def start_background(ctx: ToolContext, command: str | list[str], cwd: Path) -> RespondToModel:
+    """Start ``command`` as a background shell that outlives the call (DESIGN §3).
+
+    Its stdout+stderr are appended to ``<shells_dir>/<task>/<shell_id>.log``
+    and ``<shell_id>.json`` records ``shell_id, pid, pgid, command,
+    started_at, log``. Starting the same call twice (a retried activity)
+    reports the shell already started instead of starting another.
+
+    Returns:
+        ``ok=True`` with the shell id, pid and log path; ``ok=False`` when it
+        could not be spawned.
+    """
+    inp = ctx.inp
+    shell_id = shell_id_for(inp.task_id, inp.call.id)
+    directory = shells_task_dir(ctx.settings, inp.task_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = directory / f"{shell_id}.json"
+    log = directory / f"{shell_id}.log"
+    existing = read_json(record)
+    if existing is not None:
+        ctx.progress.terminal = True
+        return RespondToModel(
+            text=(
+                f"background shell {shell_id} was already started by this call "
+                f"(pid {existing.get('pid')}); log: {existing.get('log')}. "
+                f"Use shell_status / shell_kill with shell_id={shell_id!r}."
+            )
+        )
+    argv = to_argv(command)
+    with open(log, "ab") as logf:
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=child_env(),
+                start_new_session=True,
+            )
+        except OSError as err:
+            return RespondToModel(ok=False, text=_spawn_error(argv, cwd, err))
+    key = (inp.task_id, shell_id)
+    data: dict[str, Any] = {
+        "shell_id": shell_id,
+        "pid": popen.pid,
+        "pgid": popen.pid,
+        "command": display_command(command),
+        "cwd": str(cwd),
+        "started_at": time.time(),
+        "log": str(log),
+        "call_id": inp.call.id,
+    }
+    write_json_atomic(record, data)
+    with _BACKGROUND_LOCK:
+        _BACKGROUND[key] = popen
+    threading.Thread(
+        target=_wait_background, args=(key, popen, record), name=f"reap-{shell_id}", daemon=True
+    ).start()
+    ctx.progress.terminal = True
+    return RespondToModel(
+        text=(
+            f"started background shell {shell_id} (pid {popen.pid}); stdout and stderr are "
+            f"appended to {log}. It keeps running after this call and after an interrupt; "
+            f"use shell_status to see its state and log tail, shell_kill to stop it "
+            f"(shell_id={shell_id!r})."
+        )
+    )
+
+
+def _shell_state(settings: Settings, task_id: str, data: dict[str, Any]) -> tuple[bool, int | None]:
+    """``(running, exit_code)`` of a background shell record.
+
+    Running means some process of its group is alive (the leader, or children
+    it left behind). The exit code is known when this worker reaped it or a
+    waiter wrote it to the record.
+    """
+    shell_id = str(data.get("shell_id"))
+    pgid = int(data.get("pgid", 0))
+    with _BACKGROUND_LOCK:
+        rc = _BACKGROUND_EXIT.get((task_id, shell_id))
+    if rc is None and isinstance(data.get("exit_code"), int):
+        rc = int(data["exit_code"])
+    running = pgid > 1 and bool(group_members(pgid))
+    popen = _BACKGROUND.get((task_id, shell_id))
+    if not running and rc is None and popen is not None:
+        # Gone but not yet reaped by its waiter thread: that takes a moment.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = popen.wait(timeout=0.2)
+    if running and rc is None and popen is None:
+        # Started by another worker process: make sure the pid was not reused.
+        import psutil
+
+        try:
+            if psutil.Process(pgid).create_time() > float(data.get("started_at", 0)) + 2.0:
+                running = False
+        except psutil.Error:
+            pass
+    return running, rc
+
+
+def _log_tail(path: Path, budget: int) -> str:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            if size > budget:
+                f.seek(size - budget)
+            raw = f.read(budget)
+    except OSError as err:
+        return f"(log unreadable: {err.strerror or err})"
+    text = raw.decode("utf-8", errors="replace") or "(empty)"
+    if size > budget:
+        text = f"{omitted_marker(size - budget)}\n" + text
+    return text
+
+
+def _known_shells(settings: Settings, task_id: str) -> list[str]:
+    directory = shells_task_dir(settings, task_id)
+    try:
+        return sorted(p.stem for p in directory.glob("sh-*.json"))
+    except OSError:
+        return []
+
+
+def _unknown_shell(settings: Settings, task_id: str, shell_id: str) -> RespondToModel:
+    known = _known_shells(settings, task_id)
+    hint = f"known shells of this task: {', '.join(known)}" if known else "this task has no background shells"
+    return RespondToModel(ok=False, text=f"unknown shell_id {shell_id!r}; {hint}")
+
+
+def _lookup(settings: Settings, task_id: str, shell_id: str) -> dict[str, Any] | None:
+    if not re.fullmatch(r"sh-[0-9a-f]{8}", shell_id):
+        return None
+    return read_json(_record_path(settings, task_id, shell_id))
+
+
+async def shell_status(ctx: ToolContext, shell_id: str) -> RespondToModel:
+    """Report a background shell: running or exited, pid, and its log's tail (capped).
+
+    Returns:
+        ``ok=True`` with ``"shell <id>: running (pid N, started Ts ago)"`` or
+        ``"shell <id>: exited with exit code C (pid N)"``, the command, the log
+        path and ``--- log tail ---``; ``ok=False`` for an unknown id.
+    """
+    settings, task_id = ctx.settings, ctx.inp.task_id
+    data = _lookup(settings, task_id, shell_id)
+    if data is None:
+        return _unknown_shell(settings, task_id, shell_id)
+    running, rc = _shell_state(settings, task_id, data)
+    pid = data.get("pid")
+    age = time.time() - float(data.get("started_at", time.time()))
+    if running and rc is None:
+        state = f"running (pid {pid}, started {age:.1f}s ago)"
+    elif running:
+        state = f"leader exited with {_describe_exit(rc)} but processes of its group are still running (pid {pid})"  # type: ignore[arg-type]
+    elif rc is not None:
+        state = f"exited with {_describe_exit(rc)} (pid {pid})"
+    else:
+        state = f"exited, exit code unknown (pid {pid}; started by another worker process)"
+    log = Path(str(data.get("log", "")))
+    tail = _log_tail(log, content_budget(ctx.inp.output_cap_bytes))
+    ctx.progress.terminal = True
+    text = f"shell {shell_id}: {state}\ncommand: {data.get('command')}\nlog: {log}\n--- log tail ---\n{tail}"
+    return RespondToModel(text=clip_text(text, ctx.inp.output_cap_bytes))
+
+
+async def shell_kill(ctx: ToolContext, shell_id: str) -> RespondToModel:
+    """Stop a background shell's whole group: SIGTERM, ``kill_grace_s``, SIGKILL.
+
+    Returns:
+        ``ok=True`` saying how it ended (or that it had already exited);
+        ``ok=False`` for an unknown id.
+    """
+    settings, task_id = ctx.settings, ctx.inp.task_id
+    data = _lookup(settings, task_id, shell_id)
+    if data is None:
+        return _unknown_shell(settings, task_id, shell_id)
+    running, rc = _shell_state(settings, task_id, data)
+    pid = data.get("pid")
+    if not running:
+        ctx.progress.terminal = True
+        how = _describe_exit(rc) if rc is not None else "exit code unknown"
+        return RespondToModel(text=f"shell {shell_id} (pid {pid}) had already exited ({how}); nothing to stop")
+    end = await terminate_group(int(data["pgid"]), ctx.inp.kill_grace_s)
+    ctx.progress.terminal = True
+    how = "SIGTERM" if end != "SIGKILL" else "SIGKILL: it did not exit on SIGTERM"
+    return RespondToModel(text=f"shell {shell_id} (pid {pid}) stopped ({how})")
+
+
+def close_unattended_shells(
+    task_id: str, *, settings: Settings | None = None, grace_s: float = 0.1
+) -> list[str]:
+    """Stop every still-running background shell of a task that completed normally.
+
+    DESIGN §3/§4: a normal finish closes the task's background shells; an
+    interrupt or a refusal leaves them running (do not call this then).
+    Blocking: all groups get SIGTERM at once, then share one grace of
+    ``grace_s`` seconds, then SIGKILL (run it in a thread from async code if
+    that matters).
+
+    Args:
+        task_id: The task.
+        settings: Where state lives; default :func:`load_settings`.
+        grace_s: Seconds between SIGTERM and SIGKILL.
+
+    Returns:
+        The shell ids that were running and were stopped, sorted.
+    """
+    settings = settings or load_settings()
+    running: dict[int, str] = {}
+    for shell_id in _known_shells(settings, task_id):
+        data = read_json(_record_path(settings, task_id, shell_id))
+        if data is None:
+            continue
+        alive, _ = _shell_state(settings, task_id, data)
+        if alive:
+            running[int(data["pgid"])] = shell_id
+    if running:
+        terminate_groups_sync(list(running), grace_s)
+    return sorted(running.values())
