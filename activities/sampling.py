@@ -28,7 +28,7 @@ from activities._heartbeat import heartbeating
 from activities.ledger import default_store
 from activities.providers.base import ProviderError
 from activities.providers.registry import get_adapter, parse_model_ref
-from stopline.contracts import SAMPLE_ACTIVITY, SampleInput, SamplingResult
+from stopline.contracts import SAMPLE_ACTIVITY, Refusal, SampleInput, SamplingResult
 from stopline.policies import ConversationInvalid, rows_to_messages, validate_conversation
 from stopline.settings import Settings, load_settings
 
@@ -50,8 +50,35 @@ def _tools_for(inp: SampleInput) -> list:
     if inp.toolset == "none":
         return []
     from activities.tools import TOOL_SPECS
+    from stopline.task_tools import TASK_TOOL_SPECS
 
+    if inp.toolset == "workspace+tasks":
+        return [*TOOL_SPECS, *TASK_TOOL_SPECS]
     return list(TOOL_SPECS)
+
+
+def _persisted_refusal(inp: SampleInput, rows: list) -> SamplingResult | None:
+    """A task whose ledger holds a refusal stop is never sampled again.
+
+    Every way back in — a reset, a re-driven run, a replay gone live — meets
+    the persisted ``provider-refusal-stop`` row here and gets the same
+    refusal, with no provider call (seed 000 §5).
+    """
+    if inp.thread_kind != "task":
+        return None
+    for row in rows:
+        if row.kind == "provider-refusal-stop":
+            return SamplingResult(
+                provider=str(row.meta.get("provider", "unknown")),
+                model=inp.model,
+                stop_reason="refusal",
+                raw_stop_reason="persisted",
+                refusal=Refusal(
+                    provider=str(row.meta.get("provider", "unknown")),
+                    category=row.meta.get("category"),
+                ),
+            )
+    return None
 
 #: ApplicationError type of a provider failure (retryable or not).
 PROVIDER_ERROR_TYPE = "ProviderError"
@@ -90,6 +117,10 @@ async def sample(inp: SampleInput) -> SamplingResult:
     info = activity.info()
     store = default_store()
     store.append(inp.task_id, inp.pending_rows)
+    persisted = _persisted_refusal(inp, store.read(inp.task_id))
+    if persisted is not None:
+        persisted.attempt = 0  # no provider call was made
+        return persisted
     rows = store.read(inp.task_id, upto_seq=inp.upto_seq)
     messages = rows_to_messages(rows)
     try:

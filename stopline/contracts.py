@@ -27,10 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field
 DEFAULT_TASK_QUEUE = "stopline"
 #: Workflow type names.
 AGENT_TASK_WORKFLOW = "AgentTask"
+CHAT_THREAD_WORKFLOW = "ChatThread"
 #: Activity names.
 SAMPLE_ACTIVITY = "stopline.sample"
 TOOL_ACTIVITY = "stopline.tool"
 LEDGER_FLUSH_ACTIVITY = "stopline.ledger_flush"
+TASK_MESSAGE_ACTIVITY = "stopline.task_message"
 #: The workflow-streams topic that carries :class:`TaskEvent`.
 EVENTS_TOPIC = "events"
 
@@ -263,6 +265,9 @@ RowKind = Literal[
     "task_result",
     "provider-refusal-stop",
     "notification",
+    "increment",
+    "quarantine",
+    "refusal",
 ]
 
 
@@ -337,6 +342,10 @@ class SampleInput(_Model):
             schemas out of every round's history).
         max_tokens: Output token limit sent to the provider.
         stream: Ask for SSE streaming.
+        thread_kind: ``task`` | ``chat`` | ``fix``. A *task* whose ledger
+            already holds a ``provider-refusal-stop`` row is answered with that
+            refusal and no provider call (a reset or re-drive never reaches
+            the provider again — seed 000 §5).
     """
 
     task_id: str
@@ -349,11 +358,50 @@ class SampleInput(_Model):
     toolset: str = "workspace"
     max_tokens: int = 4096
     stream: bool = True
+    thread_kind: str = "task"
 
 
 # ---------------------------------------------------------------------------
 # The task.
 # ---------------------------------------------------------------------------
+
+
+class ModelCandidate(_Model):
+    """A model a fix task may switch to: ``provider:model`` and its base URL."""
+
+    model: str
+    base_url: str | None = None
+
+
+class ChildInfo(_Model):
+    """A sub-task a thread started (carried over continue-as-new)."""
+
+    task_id: str
+    settled: bool = False
+    delivered: bool = False
+    result: AgentTaskResult | None = None
+
+
+class ThreadCarry(_Model):
+    """What the next run needs after continue-as-new; the ledger by reference.
+
+    The rows themselves stay in the ledger file (the sampling activity reads
+    them there); only counters and small sets travel in history.
+    """
+
+    next_seq: int
+    flushed_seq: int
+    rounds: int = 0
+    provider_calls: int = 0
+    final_text: str = ""
+    last_tool: str | None = None
+    accepted_upto: int = 0
+    unaccepted_increments: list[int] = Field(default_factory=list)
+    refusal_stop: dict[str, Any] | None = None
+    children: list[ChildInfo] = Field(default_factory=list)
+    inbox: list[str] = Field(default_factory=list)
+    runs: int = 1
+    stream_state: Any = None
 
 
 class TaskLimits(_Model):
@@ -368,6 +416,9 @@ class TaskLimits(_Model):
         sampling_timeout_s: start-to-close timeout of one sampling attempt.
         heartbeat_timeout_s: Heartbeat timeout of sampling and tool
             activities: a worker that dies is noticed after this long.
+        continue_as_new_after_events: Continue-as-new at a round boundary
+            once the run's history has this many events (or when Temporal
+            suggests it), carrying the ledger by reference.
     """
 
     max_rounds: int = 50
@@ -376,6 +427,7 @@ class TaskLimits(_Model):
     max_tokens: int = 4096
     sampling_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 5.0
+    continue_as_new_after_events: int = 10_000
 
 
 class AgentTaskInput(_Model):
@@ -391,6 +443,17 @@ class AgentTaskInput(_Model):
             workspace (tools and ledger writes run there).
         system: System prompt; a default is used when empty.
         stream: Stream sampling responses (SSE).
+        route: ``chat`` | ``subagent`` (refusal disposition, seed 000 §2).
+        execution_scope: ``thread`` | ``worker``: anything with worker scope
+            is a *task*, even on a chat route.
+        usage_source: Usage source; one starting with ``fix:`` marks a fix
+            task (the only kind that may switch model after a refusal).
+        candidates: Further candidate models, in order (fix tasks only).
+        quarantine_retries: Retries after quarantining an unaccepted
+            increment (chat and fix threads).
+        reprobe_limit: Re-probes of a skipped provider before a fix task
+            freezes.
+        carry: State carried over continue-as-new; ``None`` on a fresh start.
     """
 
     prompt: str
@@ -401,6 +464,13 @@ class AgentTaskInput(_Model):
     host_task_queue: str = DEFAULT_TASK_QUEUE
     system: str = ""
     stream: bool = True
+    route: Literal["chat", "subagent"] = "subagent"
+    execution_scope: Literal["thread", "worker"] = "worker"
+    usage_source: str = "cli"
+    candidates: list[ModelCandidate] = Field(default_factory=list)
+    quarantine_retries: int = 3
+    reprobe_limit: int = 1
+    carry: ThreadCarry | None = None
 
 
 TaskStatusName = Literal["completed", "stopped", "failed"]
@@ -428,16 +498,37 @@ class AgentTaskResult(_Model):
     rounds: int = 0
     final_text: str = ""
     provider_calls: int = 0
+    refusal: RefusalInfo | None = None
+    evidence: dict[str, Any] | None = None
+
+
+class RefusalInfo(_Model):
+    """Where a refusal stopped a task: never its content (seed 000 §4)."""
+
+    provider: str
+    category: str | None = None
+    round: int = 0
+    tool: str | None = None
 
 
 class TaskStatus(_Model):
-    """What the ``status`` Query returns."""
+    """What the ``status`` Query (and ``task_status``) returns.
+
+    Attributes:
+        refusal: Provider, category and round when a refusal stopped it.
+        stop_reason: Why it stopped, when it did.
+        note: For a refused task, the sentence saying it cannot be continued
+            with ``task_message`` (seed 000 §5).
+    """
 
     task_id: str
     state: Literal["running", "waiting", "completed", "stopped", "failed"]
     round: int
     rows: int
     result: AgentTaskResult | None = None
+    refusal: RefusalInfo | None = None
+    stop_reason: str | None = None
+    note: str | None = None
 
 
 EventKind = Literal[
@@ -446,7 +537,13 @@ EventKind = Literal[
     "tool_call_started",
     "tool_call_finished",
     "turn_aborted",
+    "turn_finished",
     "task_finished",
+    "refusal",
+    "notification",
+    "fallback",
+    "task_result",
+    "task_wait_done",
 ]
 
 
@@ -499,3 +596,39 @@ class MessageAck(_Model):
 
     accepted: bool = True
     state: str = "running"
+
+
+class TaskMessageInput(_Model):
+    """Input of ``stopline.task_message``: send a sub-task a message."""
+
+    task_id: str
+    text: str
+
+
+class ChatThreadInput(_Model):
+    """Input of the ``ChatThread`` workflow (a long-lived conversation).
+
+    Attributes mirror :class:`AgentTaskInput`; a chat thread's route is
+    ``chat`` and its scope ``thread`` unless set otherwise (then refusal
+    disposition treats it as a task — seed 000 §2).
+    """
+
+    model: str
+    workspace: str
+    limits: TaskLimits = Field(default_factory=TaskLimits)
+    base_url: str | None = None
+    host_task_queue: str = DEFAULT_TASK_QUEUE
+    system: str = ""
+    stream: bool = True
+    route: Literal["chat", "subagent"] = "chat"
+    execution_scope: Literal["thread", "worker"] = "thread"
+    usage_source: str = "chat"
+    candidates: list[ModelCandidate] = Field(default_factory=list)
+    quarantine_retries: int = 3
+    reprobe_limit: int = 1
+    carry: ThreadCarry | None = None
+
+
+ChildInfo.model_rebuild()
+ThreadCarry.model_rebuild()
+AgentTaskInput.model_rebuild()

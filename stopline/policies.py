@@ -37,7 +37,8 @@ def rows_to_messages(rows: list[LedgerRow]) -> list[Message]:
     Only ``model_visible`` rows are used. ``assistant`` rows become assistant
     messages (text, then tool calls); ``tool_result`` rows become
     ``tool_result`` parts; every other visible row (prompt, user message,
-    ``turn_aborted`` marker, receipts, task results) becomes user text.
+    ``turn_aborted`` marker, receipts, task results, external increments)
+    becomes user text — a quarantined increment as a neutral placeholder.
     Consecutive user-side rows merge into one user message with tool results
     first (Anthropic Messages API: tool_result blocks lead the user turn).
 
@@ -47,9 +48,16 @@ def rows_to_messages(rows: list[LedgerRow]) -> list[Message]:
     Returns:
         Messages alternating user / assistant.
     """
+    from stopline.refusal import QUARANTINE_PLACEHOLDER
+
     messages: list[Message] = []
     pending_results: list[ToolResultPart] = []
     pending_text: list[TextPart] = []
+    # Quarantine is itself an appended row naming the increments it withholds
+    # (seed 000 §2); nothing earlier is rewritten.
+    quarantined = {
+        int(seq) for r in rows if r.kind == "quarantine" for seq in r.meta.get("seqs", [])
+    }
 
     def flush_user() -> None:
         if pending_results or pending_text:
@@ -76,6 +84,8 @@ def rows_to_messages(rows: list[LedgerRow]) -> list[Message]:
                     is_error=row.ok is False,
                 )
             )
+        elif row.seq in quarantined:
+            pending_text.append(TextPart(text=QUARANTINE_PLACEHOLDER))
         elif row.text:
             pending_text.append(TextPart(text=row.text))
     flush_user()

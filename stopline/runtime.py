@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import Runtime as TemporalRuntime
 from temporalio.worker import Worker
 
 from stopline.settings import Settings
@@ -31,12 +31,24 @@ from stopline.settings import Settings
 WORKER_SHUTDOWN_GRACE_S = 10.0
 
 
-async def connect(settings: Settings, *, address: str | None = None) -> Client:
-    """Connect a client with the pydantic data converter.
+async def connect(
+    settings: Settings,
+    *,
+    address: str | None = None,
+    runtime: TemporalRuntime | None = None,
+) -> Client:
+    """Connect a client with stopline's data converter and interceptors.
+
+    The data converter is pydantic, plus the payload-encryption codec when
+    ``STOPLINE_CODEC_KEY`` is set (``stopline.codec``); the interceptors add
+    OpenTelemetry tracing when ``STOPLINE_OTEL`` is on
+    (``stopline.telemetry``). Workers built on the client inherit both.
 
     Args:
-        settings: Settings (address and namespace).
+        settings: Settings (address, namespace, codec key, tracing).
         address: Overrides ``settings.temporal_address``.
+        runtime: A Temporal runtime, e.g. one serving Prometheus metrics
+            (``stopline.telemetry.build_runtime``); default: the SDK's.
 
     Returns:
         The client.
@@ -45,11 +57,18 @@ async def connect(settings: Settings, *, address: str | None = None) -> Client:
         RuntimeError: If no address is known (start the embedded server
             first: ``stopline up``).
     """
+    from stopline.codec import data_converter
+    from stopline.telemetry import tracing_interceptors
+
     target = address or settings.temporal_address
     if not target:
         raise RuntimeError("no Temporal address: set TEMPORAL_ADDRESS or run `stopline up`")
     return await Client.connect(
-        target, namespace=settings.temporal_namespace, data_converter=pydantic_data_converter
+        target,
+        namespace=settings.temporal_namespace,
+        data_converter=data_converter(settings),
+        interceptors=tracing_interceptors(settings),
+        runtime=runtime,
     )
 
 
@@ -81,22 +100,24 @@ def build_workers(
     """
     from activities.ledger import ledger_flush
     from activities.sampling import sample
+    from activities.tasks import task_message
     from activities.tools import tool_activity
     from workflows.agent_task import AgentTask
+    from workflows.chat_thread import ChatThread
 
     tq = task_queue or settings.task_queue
     hq = host_task_queue or settings.resolved_host_task_queue()
     throttle = timedelta(seconds=settings.heartbeat_throttle_s)
     activity_opts = dict(
-        activities=[sample, tool_activity, ledger_flush],
+        activities=[sample, tool_activity, ledger_flush, task_message],
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
         graceful_shutdown_timeout=timedelta(seconds=WORKER_SHUTDOWN_GRACE_S),
     )
     if tq == hq:
-        return [Worker(client, task_queue=tq, workflows=[AgentTask], **activity_opts)]  # type: ignore[arg-type]
+        return [Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread], **activity_opts)]  # type: ignore[arg-type]
     return [
-        Worker(client, task_queue=tq, workflows=[AgentTask]),
+        Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread]),
         Worker(client, task_queue=hq, **activity_opts),  # type: ignore[arg-type]
     ]
 
@@ -276,7 +297,15 @@ def start_dev_server(settings: Settings, *, wait_s: float = 60.0) -> str:
 
 
 def _search_attribute_flags() -> list[str]:
-    return []
+    """``--search-attribute KEY=TYPE`` flags registering stopline's attributes.
+
+    Passed on every start: the dev server accepts attributes its SQLite file
+    already has, so a server upgraded to a stopline with new attributes
+    gains them on its next start.
+    """
+    from stopline.search_attributes import dev_server_flags
+
+    return dev_server_flags()
 
 
 def _wait_port(port: int, wait_s: float, managed: Managed) -> None:

@@ -46,6 +46,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         data_converter=pydantic_data_converter,
         ui=False,
         dev_server_log_level="error",
+        search_attributes=__import__("stopline.search_attributes", fromlist=["ALL"]).ALL,
     )
     try:
         yield env

@@ -1,400 +1,100 @@
 """The ``AgentTask`` workflow: one agent task, durable, with honest endings.
 
-The turn loop (read top to bottom):
-
-1. Drain queued user messages into the ledger; sample (one activity: it
-   flushes pending ledger rows, reads the transcript by reference, calls the
-   model).
-2. A refusal stops the task (seed 000). No tool call, or end of turn: done.
-3. Tool calls that must not run (output cut at max_tokens, unparsable
-   arguments) get error results; the rest run as concurrent activities on
-   the workspace host's task queue, each at most once.
-4. Each result is appended as it arrives; then sample again.
-
-A user interrupt is level-triggered state checked after every activity
-returns: the turn is aborted in :meth:`AgentTask._abort_turn`, one function
-in the order seed 002 gives. A tool failure is a tool result, never a turn
-failure (DESIGN §2); only ``Fatal`` or a non-retryable provider error fails
-the task.
-
-Deterministic code only: no I/O, no clocks but ``workflow.now()``. The ledger
-lives here as state; activities mirror it to the JSONL file.
+The turn loop, the abort path, refusal disposition and sub-tasks live in
+:mod:`workflows._engine`; this module adds what is particular to a task: it
+runs one prompt to an outcome (``completed`` | ``stopped`` | ``failed``),
+waits for a message after an interrupt, answers ``task_stop`` (workflow
+cancellation) with stop evidence, and completes — never fails — so no
+workflow retry re-runs a task from the top.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.contrib.workflow_streams import WorkflowStream
-from temporalio.exceptions import ActivityError, ApplicationError
+
+from workflows._engine import End, TurnEngine
 
 with workflow.unsafe.imports_passed_through():
-    from stopline import policies
+    from stopline import refusal
     from stopline.contracts import (
         AGENT_TASK_WORKFLOW,
-        EVENTS_TOPIC,
-        LEDGER_FLUSH_ACTIVITY,
-        SAMPLE_ACTIVITY,
-        TOOL_ACTIVITY,
         AgentTaskInput,
         AgentTaskResult,
-        Fatal,
         InterruptResult,
-        LedgerFlushInput,
         LedgerRow,
         MessageAck,
-        RespondToModel,
-        RowKind,
-        SampleInput,
-        SamplingResult,
-        TaskEvent,
         TaskStatus,
-        ToolCall,
-        ToolCallInput,
-        ToolOutcome,
     )
-
-#: Sampling retries: transient provider errors (429/5xx/overloaded/network).
-SAMPLING_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=60),
-    maximum_attempts=8,
-)
-#: A tool call runs at most once (DESIGN §2): no retries, ever.
-TOOL_RETRY = RetryPolicy(maximum_attempts=1)
-#: Ledger flushes are idempotent (rows keyed by seq), so they may retry.
-FLUSH_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=5)
-
-
-#: Returned by a step whose turn a user interrupt aborted.
-_ABORTED = object()
-
-
-@dataclass
-class _End:
-    """How a task ends."""
-
-    status: str
-    reason: str
-    refused: bool = False
-
-
-@dataclass
-class _RunningCall:
-    call: ToolCall
-    handle: Any
-    started_at: datetime
-    settled: bool = False
-
-
-@dataclass
-class _Counters:
-    rounds: int = 0
-    provider_calls: int = 0
-    aborts_done: int = 0
-    final_text: str = ""
-    last_tool: str | None = None
-    kept: list[str] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
+    from stopline.search_attributes import updates as search_attribute_updates
 
 
 @workflow.defn(name=AGENT_TASK_WORKFLOW)
-class AgentTask:
+class AgentTask(TurnEngine):
     """One agent task: a turn loop over sampling and tool activities."""
 
     @workflow.init
     def __init__(self, inp: AgentTaskInput) -> None:
         self._inp = inp
-        self._stream = WorkflowStream()
-        self._events = self._stream.topic(EVENTS_TOPIC, type=TaskEvent)
-        self._rows: list[LedgerRow] = []
-        self._flushed_seq = 0
-        self._sampled_upto = 0
-        self._n = _Counters()
-        self._state = "running"
-        self._interrupt_pending = False
-        self._inbox: list[str] = []
-        self._result: AgentTaskResult | None = None
-
-    # ------------------------------------------------------------------ run
+        self._stream = WorkflowStream(prior_state=inp.carry.stream_state if inp.carry else None)
+        self._init_engine(inp.carry)
 
     @workflow.run
     async def run(self, inp: AgentTaskInput) -> AgentTaskResult:
-        """Run the task until the model ends its turn, a limit, or an engine error.
+        """Run the task until the model ends its turn, a limit, an engine
+        error, a refusal, or ``task_stop``.
 
         Returns:
-            The task result; the workflow completes (never fails) for every
-            outcome, so no workflow retry re-runs a task from the top.
+            The task result; the workflow completes for every outcome.
         """
-        self._append("prompt", text=inp.prompt)
-        while True:
-            end = await self._run_turn()
-            if end is not None:
-                break
-            # The turn was interrupted: wait for the user's next message.
-            self._state = "waiting"
-            await workflow.wait_condition(lambda: bool(self._inbox))
-            self._state = "running"
+        self._upsert("running")
+        if inp.carry is None:
+            self._append("prompt", text=inp.prompt)
+        try:
+            while True:
+                end = await self._run_turn()
+                if end is not None:
+                    break
+                # The turn was interrupted: wait for the user's next message.
+                self._state = "waiting"
+                self._upsert("waiting")
+                await workflow.wait_condition(lambda: bool(self._inbox))
+                self._state = "running"
+                self._upsert("running")
+        except asyncio.CancelledError:
+            # task_stop / workflow cancel: a stop, recorded like any other.
+            end = End("stopped", "stopped by task_stop")
         return await self._finish(end)
 
-    async def _run_turn(self) -> _End | None:
-        """Run rounds until the turn ends; ``None`` when a user interrupted it."""
-        limits = self._inp.limits
-        while True:
-            self._drain_inbox()
-            if self._n.rounds >= limits.max_rounds:
-                return _End("stopped", f"max rounds ({limits.max_rounds}) reached")
-            self._n.rounds += 1
-            self._publish("turn_started")
-            sampling = self._start_sampling()
-            await workflow.wait_condition(lambda: self._interrupt_pending or sampling.done())
-            if self._interrupt_pending:
-                await self._abort_turn(sampling, [])
-                return None
-            try:
-                result: SamplingResult = sampling.result()
-            except ActivityError as err:
-                self._count_failed_attempts(err)
-                return _End("failed", _activity_failure_reason(err))
-            self._n.provider_calls += result.attempt
-            self._flushed_seq = max(self._flushed_seq, self._sampled_upto)
+    async def _run_turn(self) -> End | None:
+        if self._should_continue_as_new() and not self._children_running():
+            await self._continue_as_new()
+        return await super()._run_turn()
 
-            if result.refusal is not None:
-                return self._stop_refused(result)
-            if result.text or result.tool_calls:
-                self._append(
-                    "assistant", text=result.text, tool_calls=list(result.tool_calls)
-                )
-                if result.text:
-                    self._n.final_text = result.text
-                    self._publish("assistant_text", text=result.text)
-            if not result.tool_calls:
-                if self._inbox:
-                    continue  # a message arrived during the turn: answer it
-                if result.stop_reason == "max_tokens":
-                    return _End("stopped", "the model's output was cut off at max_tokens")
-                return _End("completed", "the model ended its turn")
-
-            blocked = policies.untriaged_calls(result)
-            for call in result.tool_calls:
-                if call.id in blocked:
-                    self._append_tool_result(call, RespondToModel(text=blocked[call.id], ok=False))
-            runnable = [c for c in result.tool_calls if c.id not in blocked]
-            if not runnable:
-                continue
-            end = await self._run_tools(runnable)
-            if end is _ABORTED:
-                return None
-            if end is not None:
-                return end  # type: ignore[return-value]
-
-    def _start_sampling(self) -> Any:
-        pending = self._pending_rows()
-        self._sampled_upto = self._rows[-1].seq
-        limits = self._inp.limits
-        return workflow.start_activity(
-            SAMPLE_ACTIVITY,
-            SampleInput(
-                task_id=workflow.info().workflow_id,
-                model=self._inp.model,
-                base_url=self._inp.base_url,
-                pending_rows=pending,
-                upto_seq=self._sampled_upto,
-                system=self._inp.system,
-                max_tokens=limits.max_tokens,
-                stream=self._inp.stream,
-            ),
-            result_type=SamplingResult,
-            task_queue=self._inp.host_task_queue,
-            start_to_close_timeout=timedelta(seconds=limits.sampling_timeout_s),
-            heartbeat_timeout=timedelta(seconds=limits.heartbeat_timeout_s),
-            retry_policy=SAMPLING_RETRY,
-            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-            summary=f"sample round {self._n.rounds}",
+    async def _continue_as_new(self) -> None:
+        await self._flush()
+        inp = self._inp
+        await self._stream.continue_as_new(
+            lambda state: [inp.model_copy(update={"carry": self._carry(state)})]
         )
 
-    async def _run_tools(self, calls: list[ToolCall]) -> _End | object | None:
-        """Run a turn's tool calls concurrently; append each result as it arrives.
-
-        A child ending early (one call timing out or failing) never cancels
-        its siblings or the turn: each result is just data (seed 002).
-
-        Returns:
-            ``_End`` for a ``Fatal`` outcome, ``_ABORTED`` when a user
-            interrupt aborted the turn, else ``None``.
-        """
-        limits = self._inp.limits
-        running: list[_RunningCall] = []
-        for call in calls:
-            handle = workflow.start_activity(
-                TOOL_ACTIVITY,
-                ToolCallInput(
-                    task_id=workflow.info().workflow_id,
-                    call=call,
-                    workspace=self._inp.workspace,
-                    timeout_s=limits.tool_timeout_s,
-                    kill_grace_s=limits.interrupt_grace_s,
-                ),
-                result_type=ToolOutcome,
-                task_queue=self._inp.host_task_queue,
-                start_to_close_timeout=timedelta(seconds=limits.tool_timeout_s + 60),
-                heartbeat_timeout=timedelta(seconds=limits.heartbeat_timeout_s),
-                retry_policy=TOOL_RETRY,
-                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-                summary=f"{call.name} ({call.id})",
-            )
-            running.append(_RunningCall(call, handle, workflow.now()))
-            self._n.last_tool = call.name
-            self._publish("tool_call_started", call_id=call.id, tool_name=call.name)
-
-        fatal: Fatal | None = None
-        while not all(r.settled for r in running):
-            await workflow.wait_condition(
-                lambda: self._interrupt_pending
-                or any(r.handle.done() and not r.settled for r in running)
-            )
-            if self._interrupt_pending:
-                await self._abort_turn(
-                    None,
-                    [r for r in running if not r.settled],
-                    finished=[r.call.id for r in running if r.settled],
-                )
-                return _ABORTED
-            for r in running:
-                if r.settled or not r.handle.done():
-                    continue
-                r.settled = True
-                outcome = self._tool_outcome(r)
-                match outcome:
-                    case RespondToModel():
-                        self._append_tool_result(r.call, outcome)
-                    case Fatal():
-                        fatal = fatal or outcome
-                        self._append_tool_result(
-                            r.call, RespondToModel(text=f"engine error: {outcome.reason}", ok=False)
-                        )
-        if fatal is not None:
-            return _End("failed", fatal.reason)
-        return None
-
-    def _tool_outcome(self, r: _RunningCall) -> RespondToModel | Fatal:
-        """The outcome of a finished tool activity; a lost one becomes a receipt."""
-        try:
-            return r.handle.result()
-        except ActivityError as err:
-            # The activity never reported (worker crash, heartbeat timeout):
-            # never re-run silently — tell the model (DESIGN §5).
-            return RespondToModel(
-                text=policies.lost_receipt(r.call, _activity_failure_reason(err)), ok=False
-            )
-
-    # -------------------------------------------------------------- abort
-
-    async def _abort_turn(
-        self,
-        sampling: Any | None,
-        running: list[_RunningCall],
-        finished: list[str] | None = None,
-    ) -> None:
-        """Abort the current turn: signal, grace, irreversible step (seed 002).
-
-        1. Request cancellation of the turn's activities (a signal, not a
-           kill: activities learn it on their next heartbeat and SIGTERM
-           their process groups).
-        2. Wait the grace period for them to finish cooperatively. A call
-           that reached its terminal state returns its real result: kept.
-        3. The irreversible step: stop waiting. Every call not finished gets
-           an "aborted by user" receipt, and its process group is SIGKILLed
-           by the flush activity; a result arriving later is ignored. A
-           sampling call in flight is dropped whole.
-        4. Append the ``turn_aborted`` marker; fsync the ledger; only then
-           publish ``turn_aborted`` (a watcher may re-read the file at once).
-
-        Args:
-            sampling: The in-flight sampling activity, if any.
-            running: The turn's tool calls that had not finished.
-            finished: Ids of the turn's calls that finished before the
-                interrupt (their results are already in the ledger).
-        """
-        # 1. signal
-        handles = [h for h in ([sampling] if sampling else []) + [r.handle for r in running]]
-        for h in handles:
-            if not h.done():
-                h.cancel()
-        # 2. grace
-        if any(not h.done() for h in handles):
-            try:
-                await workflow.wait_condition(
-                    lambda: all(h.done() for h in handles),
-                    timeout=timedelta(seconds=self._inp.limits.interrupt_grace_s),
-                )
-            except asyncio.TimeoutError:
-                pass
-        # 3. irreversible: decide from what has arrived, ignore the rest.
-        if sampling is not None and sampling.done() and not sampling.cancelled():
-            if sampling.exception() is None:
-                self._n.provider_calls += sampling.result().attempt
-                self._flushed_seq = max(self._flushed_seq, self._sampled_upto)
-        now = workflow.now()
-        kill: list[str] = []
-        kept: list[str] = list(finished or [])
-        aborted: list[str] = []
-        for r in running:
-            outcome = _settled_outcome(r.handle)
-            if isinstance(outcome, RespondToModel) and outcome.terminal:
-                self._append_tool_result(r.call, outcome)
-                kept.append(r.call.id)
-                continue
-            elapsed = (now - r.started_at).total_seconds()
-            partial = outcome.text if isinstance(outcome, RespondToModel) else ""
-            text = partial if partial.startswith("aborted by user") else (
-                policies.aborted_receipt(r.call, elapsed, partial)
-            )
-            self._append_tool_result(
-                r.call,
-                RespondToModel(text=text, ok=True, terminal=False, aborted=True, elapsed_s=elapsed),
-            )
-            aborted.append(r.call.id)
-            kill.append(r.call.id)
-        self._append("turn_aborted", text=policies.turn_aborted_marker(), meta={"aborted": aborted})
-        # 4. flush (fsync) before the event.
-        await self._flush(kill_calls=kill)
-        self._n.kept, self._n.aborted = kept, aborted
-        self._publish("turn_aborted", text="turn aborted by user")
-        self._interrupt_pending = False
-        self._n.aborts_done += 1
-
-    # ------------------------------------------------------------- finish
-
-    def _stop_refused(self, result: SamplingResult) -> _End:
-        """A refusal is the task's outcome (seed 000): stop now, keep the scene."""
-        refusal = result.refusal
-        assert refusal is not None
-        if result.text:
-            self._append("assistant", text=result.text)
-            self._n.final_text = result.text
-        self._append(
-            "provider-refusal-stop",
-            model_visible=False,
-            meta={
-                "provider": refusal.provider,
-                "category": refusal.category,
-                "round": self._n.rounds,
-                "last_tool": self._n.last_tool,
-            },
-        )
-        category = f" ({refusal.category})" if refusal.category else ""
-        return _End("stopped", f"refused by {refusal.provider}{category}", refused=True)
-
-    async def _finish(self, end: _End) -> AgentTaskResult:
+    async def _finish(self, end: End) -> AgentTaskResult:
         self._state = "finishing"
+        # A normal finish closes unattended background shells; a refused (or
+        # otherwise stopped) task leaves the scene as it is (seed 000 §3).
         await self._flush(close_shells=end.status == "completed")
+        evidence = None
+        if end.status == "stopped":
+            evidence = refusal.stop_evidence(
+                refused=end.refused or self._refusal_stop is not None,
+                last_message=self._n.final_text,
+                last_tool=self._n.last_tool,
+                last_tool_args=self._n.last_tool_args,
+                last_tool_outcome=self._n.last_tool_outcome,
+                changed_paths=self._n.changed_paths,
+            )
         self._result = AgentTaskResult(
             task_id=workflow.info().workflow_id,
             status=end.status,  # type: ignore[arg-type]
@@ -403,32 +103,24 @@ class AgentTask:
             rounds=self._n.rounds,
             final_text=self._n.final_text,
             provider_calls=self._n.provider_calls,
+            refusal=self._refusal_info() if end.refused else None,
+            evidence=evidence,
         )
         self._state = end.status
+        self._upsert(end.status)
         self._publish("task_finished", text=end.reason, result=self._result)
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._result
 
-    async def _flush(self, *, kill_calls: list[str] | None = None, close_shells: bool = False) -> None:
-        """Append pending rows to the ledger file and fsync (one activity)."""
-        pending = self._pending_rows()
-        if not pending and not kill_calls and not close_shells:
-            return
-        last = await workflow.execute_activity(
-            LEDGER_FLUSH_ACTIVITY,
-            LedgerFlushInput(
-                task_id=workflow.info().workflow_id,
-                rows=pending,
-                kill_calls=kill_calls or [],
-                close_shells=close_shells,
-            ),
-            result_type=int,
-            task_queue=self._inp.host_task_queue,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=FLUSH_RETRY,
-            summary="ledger flush",
+    def _upsert(self, status: str) -> None:
+        workflow.upsert_search_attributes(
+            search_attribute_updates(
+                status=status,
+                refused=self._refusal_stop is not None,
+                kind="task",
+                model=self._inp.model,
+            )
         )
-        self._flushed_seq = max(self._flushed_seq, last)
 
     # ------------------------------------------------------------ handlers
 
@@ -447,17 +139,7 @@ class AgentTask:
         Idempotent: with no turn running, or an interrupt already in
         progress, it returns at once and adds nothing.
         """
-        if self._state != "running" or self._interrupt_pending:
-            return InterruptResult(interrupted=False, last_seq=self._flushed_seq)
-        self._interrupt_pending = True
-        target = self._n.aborts_done + 1
-        await workflow.wait_condition(lambda: self._n.aborts_done >= target)
-        return InterruptResult(
-            interrupted=True,
-            aborted_calls=list(self._n.aborted),
-            kept_calls=list(self._n.kept),
-            last_seq=self._flushed_seq,
-        )
+        return await self._interrupt()
 
     @workflow.update
     async def message(self, text: str) -> MessageAck:
@@ -468,6 +150,10 @@ class AgentTask:
 
     @message.validator
     def _validate_message(self, text: str) -> None:
+        # The persisted refusal row is checked, not a flag (seed 000 §5):
+        # ``_refusal_stop`` is rebuilt from history on every replay.
+        if self._refusal_stop is not None:
+            raise ValueError(refusal.NOT_CONTINUABLE)
         if not text.strip():
             raise ValueError("message is empty")
         if self._state not in ("running", "waiting"):
@@ -475,91 +161,11 @@ class AgentTask:
 
     @workflow.query
     def status(self) -> TaskStatus:
-        """The task's state, round, ledger length and result when ended."""
-        return TaskStatus(
-            task_id=workflow.info().workflow_id,
-            state=self._state if self._state != "finishing" else "running",  # type: ignore[arg-type]
-            round=self._n.rounds,
-            rows=len(self._rows),
-            result=self._result,
-        )
+        """The task's state, round, ledger length, refusal and result."""
+        return self._status()
 
     @workflow.query
     def ledger(self) -> list[LedgerRow]:
-        """The ledger as workflow state (equals the JSONL file once flushed)."""
+        """This run's ledger rows as workflow state (equal to the JSONL file's
+        rows of this run once flushed)."""
         return list(self._rows)
-
-    # ------------------------------------------------------------ helpers
-
-    def _append(self, kind: RowKind, *, model_visible: bool = True, **fields: Any) -> LedgerRow:
-        row = LedgerRow(
-            seq=len(self._rows) + 1,
-            kind=kind,
-            round=self._n.rounds,
-            model_visible=model_visible,
-            at=workflow.now(),
-            **fields,
-        )
-        self._rows.append(row)
-        return row
-
-    def _append_tool_result(self, call: ToolCall, outcome: RespondToModel) -> None:
-        meta: dict[str, Any] = {"elapsed_s": round(outcome.elapsed_s, 3)}
-        if outcome.aborted:
-            meta["aborted"] = True
-        if outcome.output_ref:
-            meta["output_ref"] = outcome.output_ref
-        self._append(
-            "tool_result",
-            text=outcome.text,
-            call_id=call.id,
-            tool_name=call.name,
-            ok=outcome.ok,
-            meta=meta,
-        )
-        self._publish(
-            "tool_call_finished", call_id=call.id, tool_name=call.name, ok=outcome.ok,
-            text=outcome.text[:200],
-        )
-
-    def _pending_rows(self) -> list[LedgerRow]:
-        return [r for r in self._rows if r.seq > self._flushed_seq]
-
-    def _drain_inbox(self) -> None:
-        for text in self._inbox:
-            self._append("user_message", text=text)
-        self._inbox.clear()
-
-    def _publish(self, kind: str, **fields: Any) -> None:
-        self._events.publish(
-            TaskEvent(kind=kind, round=self._n.rounds, last_seq=self._flushed_seq, **fields)  # type: ignore[arg-type]
-        )
-
-    def _count_failed_attempts(self, err: ActivityError) -> None:
-        cause = err.cause
-        if isinstance(cause, ApplicationError) and cause.details:
-            detail = cause.details[0]
-            if isinstance(detail, dict):
-                self._n.provider_calls += int(detail.get("attempt", 1))
-                return
-        self._n.provider_calls += 1
-
-
-def _settled_outcome(handle: Any) -> RespondToModel | Fatal | None:
-    """The outcome of a handle that finished with a value; else ``None``."""
-    if not handle.done() or handle.cancelled():
-        return None
-    try:
-        return handle.result()
-    except (ActivityError, asyncio.CancelledError):
-        return None
-
-
-def _activity_failure_reason(err: ActivityError) -> str:
-    """A one-line reason from an activity failure (provider, status, what)."""
-    cause = err.cause
-    parts = []
-    while cause is not None:
-        parts.append(str(cause.message if hasattr(cause, "message") else cause))
-        cause = cause.cause
-    return "; ".join(p for p in parts if p) or str(err)

@@ -1,0 +1,87 @@
+"""Sub-task tools: run by the workflow itself (child workflows), not by the
+tool activity. Specs and argument models only; no I/O (imported inside the
+workflow sandbox).
+
+``task_start`` starts a child ``AgentTask``; ``task_wait`` waits for
+settlements; ``task_stop`` cancels a child and returns its stop evidence;
+``task_status`` reports what the parent knows; ``task_message`` sends a child
+a message through an activity (an Update on the child whose validator, like
+the activity, refuses a task a provider refusal stopped — seed 000 §5).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stopline.contracts import ToolSpec
+
+TASK_TOOL_NAMES = frozenset({"task_start", "task_wait", "task_stop", "task_status", "task_message"})
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskStartArgs(_Args):
+    """``task_start``: start a sub-task (a child AgentTask)."""
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    base_url: str | None = None
+    max_rounds: int | None = Field(default=None, ge=1)
+
+
+class TaskWaitArgs(_Args):
+    """``task_wait``: wait until the tasks settle or ``timeout_s`` passes."""
+
+    ids: list[str] = Field(min_length=1)
+    timeout_s: float = Field(default=300.0, gt=0, le=86_400)
+
+
+class TaskIdArgs(_Args):
+    """``task_stop`` / ``task_status``: one task id."""
+
+    id: str
+
+
+class TaskMessageArgs(_Args):
+    """``task_message``: send a running sub-task a message."""
+
+    id: str
+    text: str = Field(min_length=1)
+
+
+TASK_TOOL_SPECS: list[ToolSpec] = [
+    ToolSpec(
+        name="task_start",
+        description=(
+            "Start a sub-task: another agent working in the same workspace on `prompt`. "
+            "Optional `model` (provider:model) and `max_rounds`. Returns the task id at once; "
+            "use task_wait to get its result."
+        ),
+        input_schema=TaskStartArgs.model_json_schema(),
+    ),
+    ToolSpec(
+        name="task_wait",
+        description=(
+            "Wait until every task in `ids` has settled, or `timeout_s` seconds pass. Each "
+            "task's result is delivered once, as a task result in the conversation."
+        ),
+        input_schema=TaskWaitArgs.model_json_schema(),
+    ),
+    ToolSpec(
+        name="task_stop",
+        description="Stop a sub-task. Returns where it stopped (last message, last tool, changed paths).",
+        input_schema=TaskIdArgs.model_json_schema(),
+    ),
+    ToolSpec(
+        name="task_status",
+        description="Report a sub-task's state, and its result if it has settled.",
+        input_schema=TaskIdArgs.model_json_schema(),
+    ),
+    ToolSpec(
+        name="task_message",
+        description="Send a message to a running or waiting sub-task.",
+        input_schema=TaskMessageArgs.model_json_schema(),
+    ),
+]

@@ -1,0 +1,170 @@
+"""The ``ChatThread`` workflow: a long-lived conversation.
+
+It takes user messages (Updates ``message`` / ``ask``), runs a turn for
+each, and receives external increments the provider has not accepted yet
+(``increment``: inbox summaries, cross-thread events; sub-task results
+arrive the same way). A refusal is handled by the chat row of the
+disposition matrix (seed 000 §2): quarantine the unaccepted increments,
+retry the same provider a bounded number of times, then stop the turn with
+one critical notification. The thread never switches model by itself and
+does not pretend to be healed: the next message is sent as usual.
+
+It continues-as-new when Temporal suggests it (or past the configured
+event count), carrying the ledger by reference.
+"""
+
+from __future__ import annotations
+
+from temporalio import workflow
+from temporalio.contrib.workflow_streams import WorkflowStream
+
+from workflows._engine import TurnEngine
+
+with workflow.unsafe.imports_passed_through():
+    from pydantic import BaseModel
+
+    from stopline.contracts import (
+        CHAT_THREAD_WORKFLOW,
+        AgentTaskResult,
+        ChatThreadInput,
+        InterruptResult,
+        LedgerRow,
+        MessageAck,
+        TaskStatus,
+    )
+    from stopline.search_attributes import updates as search_attribute_updates
+
+
+class TurnOutcome(BaseModel):
+    """What ``ask`` returns: how the turn it started ended."""
+
+    status: str
+    reason: str
+    refused: bool = False
+    final_text: str = ""
+    turn: int = 0
+
+
+@workflow.defn(name=CHAT_THREAD_WORKFLOW)
+class ChatThread(TurnEngine):
+    """A long-lived chat thread."""
+
+    @workflow.init
+    def __init__(self, inp: ChatThreadInput) -> None:
+        self._inp = inp
+        self._stream = WorkflowStream(prior_state=inp.carry.stream_state if inp.carry else None)
+        self._init_engine(inp.carry)
+        self._closing = False
+        self._turns: list[TurnOutcome] = []
+
+    @workflow.run
+    async def run(self, inp: ChatThreadInput) -> AgentTaskResult:
+        """Serve turns until ``close``; continue-as-new when history grows."""
+        self._state = "waiting"
+        self._upsert("waiting")
+        while True:
+            await workflow.wait_condition(lambda: bool(self._inbox) or self._closing)
+            if self._closing and not self._inbox:
+                break
+            self._state = "running"
+            self._upsert("running")
+            end = await self._run_turn()
+            self._state = "waiting"
+            await self._flush()
+            outcome = TurnOutcome(
+                status=end.status if end else "interrupted",
+                reason=end.reason if end else "interrupted by user",
+                refused=bool(end and end.refused),
+                final_text=self._turn_text,
+                turn=len(self._turns) + 1,
+            )
+            self._turns.append(outcome)
+            self._publish("turn_finished", text=outcome.reason)
+            self._upsert("waiting")
+            if self._should_continue_as_new() and not self._children_running():
+                await self._stream.continue_as_new(
+                    lambda state: [inp.model_copy(update={"carry": self._carry(state)})]
+                )
+        await self._flush()
+        self._state = "completed"
+        self._result = AgentTaskResult(
+            task_id=workflow.info().workflow_id,
+            status="completed",
+            reason="thread closed",
+            rounds=self._n.rounds,
+            final_text=self._n.final_text,
+            provider_calls=self._n.provider_calls,
+        )
+        self._upsert("completed")
+        self._publish("task_finished", text="thread closed", result=self._result)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return self._result
+
+    def _upsert(self, status: str) -> None:
+        workflow.upsert_search_attributes(
+            search_attribute_updates(
+                status=status, refused=self._refusal_stop is not None, kind="chat",
+                model=self._inp.model,
+            )
+        )
+
+    # ------------------------------------------------------------ handlers
+
+    @workflow.update
+    async def message(self, text: str) -> MessageAck:
+        """A user message; it starts (or joins) a turn."""
+        self._inbox.append(text)
+        return MessageAck(accepted=True, state=self._state)
+
+    @message.validator
+    def _validate_message(self, text: str) -> None:
+        if not text.strip():
+            raise ValueError("message is empty")
+        if self._closing:
+            raise ValueError("thread is closing")
+
+    @workflow.update
+    async def ask(self, text: str) -> TurnOutcome:
+        """A user message; returns when the turn it starts has ended."""
+        self._inbox.append(text)
+        target = len(self._turns) + 1
+        await workflow.wait_condition(lambda: len(self._turns) >= target)
+        return self._turns[target - 1]
+
+    @ask.validator
+    def _validate_ask(self, text: str) -> None:
+        self._validate_message(text)
+
+    @workflow.update
+    async def increment(self, source: str, text: str) -> MessageAck:
+        """An external increment (inbox summary, cross-thread event) the
+        provider has not accepted yet; it rides on the next request."""
+        self._increments_inbox.append((source, text))
+        return MessageAck(accepted=True, state=self._state)
+
+    @workflow.update
+    async def interrupt(self) -> InterruptResult:
+        """Abort the current turn only; background shells keep running."""
+        return await self._interrupt()
+
+    @workflow.signal
+    def close(self) -> None:
+        """Close the thread after the current turn."""
+        self._closing = True
+
+    @workflow.query
+    def status(self) -> TaskStatus:
+        """The thread's state, round, ledger length and refusal."""
+        return self._status()
+
+    @workflow.query
+    def turns(self) -> list[TurnOutcome]:
+        """How each turn of this run ended."""
+        return list(self._turns)
+
+    @workflow.query
+    def ledger(self) -> list[LedgerRow]:
+        """This run's ledger rows."""
+        return list(self._rows)
+
+
