@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from temporalio.contrib.workflow_streams import WorkflowStreamState
 
 # ---------------------------------------------------------------------------
 # Names that must stay stable (greppable; changing one breaks running tasks).
@@ -401,7 +402,7 @@ class ThreadCarry(_Model):
     children: list[ChildInfo] = Field(default_factory=list)
     inbox: list[str] = Field(default_factory=list)
     runs: int = 1
-    stream_state: Any = None
+    stream_state: WorkflowStreamState | None = None
 
 
 class TaskLimits(_Model):
