@@ -17,6 +17,8 @@ returned or logged: they never enter workflow history (DESIGN §5).
 
 from __future__ import annotations
 
+import functools
+import ssl
 from datetime import timedelta
 
 import httpx
@@ -42,6 +44,16 @@ DEFAULT_SYSTEM_PROMPT = (
     "result that reports a failure is information: read it and adapt. When the "
     "task is done, reply with a short summary and no tool call."
 )
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context per worker process.
+
+    Loading the CA bundle costs ~25 ms; building it per sampling call was
+    about a third of a round's wall time (bench/bench_rounds.py).
+    """
+    return httpx.create_ssl_context()
 
 
 def _tools_for(inp: SampleInput) -> list:
@@ -143,7 +155,7 @@ async def sample(inp: SampleInput) -> SamplingResult:
     base_url, api_key = _base_url_and_key(provider, inp, settings)
     timeout = httpx.Timeout(settings.sampling_timeout_s, connect=10.0)
     # No retries in the transport: Temporal owns retries (STYLE rule 3).
-    transport = httpx.AsyncHTTPTransport(retries=0)
+    transport = httpx.AsyncHTTPTransport(retries=0, verify=_tls_context())
     try:
         async with heartbeating(), httpx.AsyncClient(timeout=timeout, transport=transport) as client:
             result = await adapter.sample(

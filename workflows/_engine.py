@@ -183,6 +183,7 @@ class TurnEngine:
             c.task_id: _Child(c) for c in (carry.children if carry else [])
         }
         self._runs = carry.runs if carry else 1
+        self._continuing = False
 
     # ------------------------------------------------------------ the turn
 
@@ -192,6 +193,7 @@ class TurnEngine:
         self._quarantine_used = 0
         self._turn_text = ""
         while True:
+            await self._at_round_boundary()
             self._drain_inbox()
             if self._n.rounds >= limits.max_rounds:
                 return End("stopped", f"max rounds ({limits.max_rounds}) reached")
@@ -241,6 +243,9 @@ class TurnEngine:
                 return None
             if isinstance(end, End):
                 return end
+
+    async def _at_round_boundary(self) -> None:
+        """Hook between rounds (AgentTask continues-as-new here)."""
 
     def _start_sampling(self) -> Any:
         pending = self._pending_rows()
@@ -616,8 +621,15 @@ class TurnEngine:
         1. Request cancellation of the turn's activities (a signal, not a
            kill: activities learn it on their next heartbeat and SIGTERM
            their process groups).
-        2. Wait the grace period for them to finish cooperatively. A call
-           that reached its terminal state returns its real result: kept.
+        2. Grace. Each activity owns the grace from the moment the cancel
+           reaches it (its next heartbeat, ~20 ms): a tool SIGTERMs its
+           group, waits ``kill_grace_s`` (= the grace), SIGKILLs it and
+           reports what it captured; sampling drops its request at once. A
+           call that reached its terminal state returns its real result:
+           kept. The workflow waits for those answers, bounded by a server
+           timer of the grace — Temporal fires sub-second timers after about
+           a second, so that bound only matters for an activity that never
+           answers (its worker died; the flush below kills its group).
         3. The irreversible step: stop waiting. Every call not finished gets
            an "aborted by user" receipt, and its process group is SIGKILLed
            by the flush activity; a result arriving later is ignored. A
@@ -766,7 +778,7 @@ class TurnEngine:
     # ------------------------------------------------- shared handlers
 
     async def _interrupt(self) -> InterruptResult:
-        if self._state != "running" or self._interrupt_pending:
+        if self._state != "running" or self._interrupt_pending or self._continuing:
             return InterruptResult(interrupted=False, last_seq=self._flushed_seq)
         self._interrupt_pending = True
         target = self._n.aborts_done + 1

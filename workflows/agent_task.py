@@ -68,12 +68,17 @@ class AgentTask(TurnEngine):
             end = End("stopped", "stopped by task_stop")
         return await self._finish(end)
 
-    async def _run_turn(self) -> End | None:
-        if self._should_continue_as_new() and not self._children_running():
-            await self._continue_as_new()
-        return await super()._run_turn()
+    async def _at_round_boundary(self) -> None:
+        """Continue-as-new between rounds once history is long (DESIGN §5).
 
-    async def _continue_as_new(self) -> None:
+        The ledger travels by reference: rows are flushed to the JSONL file
+        first and the next run carries only counters (``ThreadCarry``).
+        """
+        if self._interrupt_pending or self._children_running():
+            return
+        if not self._should_continue_as_new():
+            return
+        self._continuing = True
         await self._flush()
         inp = self._inp
         await self._stream.continue_as_new(

