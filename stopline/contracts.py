@@ -420,6 +420,9 @@ class TaskLimits(_Model):
         continue_as_new_after_events: Continue-as-new at a round boundary
             once the run's history has this many events (or when Temporal
             suggests it), carrying the ledger by reference.
+        tool_output_cap_bytes: Tool output kept inline (head + tail) in the
+            result the model sees and in history; the whole output is stored
+            beside the ledger and referenced (``output_ref``).
     """
 
     max_rounds: int = 50
@@ -429,6 +432,7 @@ class TaskLimits(_Model):
     sampling_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 5.0
     continue_as_new_after_events: int = 10_000
+    tool_output_cap_bytes: int = 16_384
 
 
 class AgentTaskInput(_Model):

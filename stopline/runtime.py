@@ -108,16 +108,20 @@ def build_workers(
     tq = task_queue or settings.task_queue
     hq = host_task_queue or settings.resolved_host_task_queue()
     throttle = timedelta(seconds=settings.heartbeat_throttle_s)
+    # After a crash the next workflow task first goes to the dead worker's
+    # sticky queue; 2 s (not the SDK's 10 s) until it falls back to the
+    # normal queue bounds how long a crash stalls a task.
+    workflow_opts = dict(sticky_queue_schedule_to_start_timeout=timedelta(seconds=2))
     activity_opts = dict(
         activities=[sample, tool_activity, ledger_flush, task_message],
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
-        graceful_shutdown_timeout=timedelta(seconds=WORKER_SHUTDOWN_GRACE_S),
+        graceful_shutdown_timeout=timedelta(seconds=settings.worker_shutdown_grace_s),
     )
     if tq == hq:
-        return [Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread], **activity_opts)]  # type: ignore[arg-type]
+        return [Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread], **workflow_opts, **activity_opts)]  # type: ignore[arg-type]
     return [
-        Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread]),
+        Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread], **workflow_opts),
         Worker(client, task_queue=hq, **activity_opts),  # type: ignore[arg-type]
     ]
 

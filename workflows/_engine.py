@@ -380,6 +380,7 @@ class TurnEngine:
             self._publish("tool_call_started", call_id=call.id, tool_name=call.name)
 
         fatal: Fatal | None = None
+        lost: list[str] = []
         while not all(r.settled for r in running):
             await workflow.wait_condition(
                 lambda: self._interrupt_pending
@@ -397,6 +398,8 @@ class TurnEngine:
                     continue
                 r.settled = True
                 outcome = self._tool_outcome(r)
+                if _lost(r.handle):
+                    lost.append(r.call.id)
                 match outcome:
                     case RespondToModel():
                         self._append_tool_result(r.call, outcome)
@@ -405,6 +408,11 @@ class TurnEngine:
                         self._append_tool_result(
                             r.call, RespondToModel(text=f"engine error: {outcome.reason}", ok=False)
                         )
+        if lost:
+            # A call lost with its worker may still be running on the host:
+            # its process group goes before the model sees the receipt, so
+            # nothing of it keeps writing while the task goes on (DESIGN §5).
+            await self._flush(kill_calls=lost)
         if fatal is not None:
             return End("failed", fatal.reason)
         return None
@@ -433,6 +441,7 @@ class TurnEngine:
                 workspace=self._inp.workspace,
                 timeout_s=limits.tool_timeout_s,
                 kill_grace_s=limits.interrupt_grace_s,
+                output_cap_bytes=limits.tool_output_cap_bytes,
             ),
             result_type=ToolOutcome,
             task_queue=self._inp.host_task_queue,
@@ -847,6 +856,13 @@ def _written_paths(call: ToolCall) -> list[str]:
             if line.startswith("+++ ") and "/dev/null" not in line
         ]
     return []
+
+
+def _lost(handle: Any) -> bool:
+    """Whether a finished tool activity failed without reporting (lost)."""
+    if handle.cancelled():
+        return False
+    return isinstance(handle.exception(), ActivityError)
 
 
 def _settled_outcome(handle: Any) -> RespondToModel | Fatal | None:

@@ -35,6 +35,7 @@ from stopline.contracts import TOOL_ACTIVITY, Fatal, RespondToModel, ToolCallInp
 from ._context import CallProgress
 from .procs import uncancel_current_task
 from .registry import run_tool
+from .shell import _abort_cause
 
 
 @activity.defn(name=TOOL_ACTIVITY)
@@ -65,7 +66,7 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
                 terminal=False,
                 elapsed_s=round(elapsed, 3),
                 text=(
-                    f"aborted by user after {elapsed:.1f}s; the tool {inp.call.name} "
+                    f"{_abort_cause()} after {elapsed:.1f}s; the tool {inp.call.name} "
                     "may have partly run."
                 ),
             )
