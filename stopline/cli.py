@@ -493,6 +493,96 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_history_export(args: argparse.Namespace, settings: Settings) -> int:
+    """``stopline history export ID [FILE]``: write a task's history as JSON."""
+    from temporalio.service import RPCError
+
+    from stopline.replay import export_history
+
+    async def go() -> int:
+        client = await _client(settings)
+        path = Path(args.file or f"{args.id}.json")
+        try:
+            history = await export_history(client, args.id, path, run_id=args.run_id)
+        except RPCError as err:
+            raise UsageError(f"cannot fetch the history of {args.id}: {err}") from None
+        console.print(f"wrote {len(history.events)} events of {args.id} (run {history.run_id}) to {path}")
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    """``stopline replay ID|FILE``: replay a history against the current code.
+
+    A path to an existing file (or one ending in ``.json``) is read; anything
+    else is a task id whose history is fetched from the server. Exit 0 when
+    it replays, 1 on nondeterminism or another replay failure.
+    """
+    from temporalio.runtime import Runtime, TelemetryConfig
+    from temporalio.service import RPCError
+
+    from stopline.codec import data_converter
+    from stopline.replay import fetch_history, load_history, replay
+
+    async def go() -> int:
+        target = Path(args.target)
+        if target.is_file() or args.target.endswith(".json"):
+            if not target.is_file():
+                raise UsageError(f"no such history file: {target}")
+            history = load_history(target, args.workflow_id)
+        else:
+            try:
+                history = await fetch_history(await _client(settings), args.target, args.run_id)
+            except RPCError as err:
+                raise UsageError(f"cannot fetch the history of {args.target}: {err}") from None
+        # A runtime without core logging: the core would also print the
+        # failure as a WARN line; the outcome below says it once, clearly.
+        quiet = Runtime(telemetry=TelemetryConfig(logging=None))
+        outcome = await replay(history, data_converter(settings), runtime=quiet, debug_mode=args.debug)
+        if args.json:
+            print(json.dumps(outcome.__dict__))
+        else:
+            from rich.markup import escape
+
+            color = "green" if outcome.ok else "red"
+            console.print(f"[{color}]{escape(outcome.describe())}[/{color}]")
+        return 0 if outcome.ok else 1
+
+    return asyncio.run(go())
+
+
+def cmd_search_attributes_register(args: argparse.Namespace, settings: Settings) -> int:
+    """``stopline search-attributes register``: add stopline's search attributes.
+
+    Idempotent. With ``--wait S`` it retries for up to ``S`` seconds while the
+    server or namespace is not there yet (a compose stack starting up).
+    """
+    import time
+
+    from stopline.search_attributes import SearchAttributeTypeConflict, register
+
+    async def go() -> int:
+        deadline = time.monotonic() + args.wait
+        while True:
+            try:
+                client = await _client(settings)
+                done = await register(client, args.namespace)
+                break
+            except SearchAttributeTypeConflict as err:
+                raise UsageError(str(err)) from None
+            except Exception as err:  # server or namespace not up yet
+                if time.monotonic() >= deadline:
+                    raise UsageError(f"could not register search attributes: {err}") from None
+                err_console.print(f"waiting for Temporal: {err}", markup=False, style="dim")
+                await asyncio.sleep(2.0)
+        for name, state in done.items():
+            console.print(f"{name:18} {state}")
+        return 0
+
+    return asyncio.run(go())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one sub-command per verb)."""
     p = argparse.ArgumentParser(prog="stopline", description=__doc__.split("\n\n")[0])
@@ -544,6 +634,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--exit-when-task-done", metavar="TASK_ID")
     s.add_argument("--temporal-address")
     s.set_defaults(fn=cmd_scripted_server)
+
+    h = sub.add_parser("history", help="task histories").add_subparsers(dest="history_command", required=True)
+    he = h.add_parser("export", help="write a task's event history as JSON (for `stopline replay`)")
+    he.add_argument("id")
+    he.add_argument("file", nargs="?", help="output file (default ID.json)")
+    he.add_argument("--run-id", help="a specific run (default: the latest)")
+    he.set_defaults(fn=cmd_history_export)
+
+    rp = sub.add_parser("replay", help="replay a history against the current code; exit 1 on nondeterminism")
+    rp.add_argument("target", metavar="ID|FILE", help="a task id, or a history JSON file")
+    rp.add_argument("--run-id", help="with an id: a specific run (default: the latest)")
+    rp.add_argument("--workflow-id", help="with a file: the workflow id (default: the file name)")
+    rp.add_argument("--debug", action="store_true",
+                    help="no deadlock detection: for stepping through workflow code in a debugger")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(fn=cmd_replay)
+
+    sa = sub.add_parser("search-attributes", help="stopline's custom search attributes").add_subparsers(
+        dest="sa_command", required=True
+    )
+    sar = sa.add_parser("register", help="register them on the Temporal cluster (idempotent)")
+    sar.add_argument("--namespace", help="default $TEMPORAL_NAMESPACE")
+    sar.add_argument("--wait", type=float, default=0.0, metavar="S",
+                     help="retry for up to S seconds while the server is not ready")
+    sar.set_defaults(fn=cmd_search_attributes_register)
     return p
 
 

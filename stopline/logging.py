@@ -42,7 +42,7 @@ def configure_logging(settings: Settings) -> None:
     """
     secrets = [
         s.get_secret_value()
-        for s in (settings.anthropic_api_key, settings.openai_api_key)
+        for s in (settings.anthropic_api_key, settings.openai_api_key, settings.codec_key)
         if s is not None
     ]
     renderer: Any = (

@@ -43,6 +43,14 @@ MODEL: SearchAttributeKey[str] = SearchAttributeKey.for_keyword("StoplineModel")
 ALL: tuple[SearchAttributeKey, ...] = (STATUS, REFUSED, KIND, MODEL)
 
 
+class SearchAttributeTypeConflict(RuntimeError):
+    """A stopline attribute name is registered with another type.
+
+    Not fixable by retrying: the attribute must be removed (or the
+    namespace's other user renamed) by an operator.
+    """
+
+
 def type_name(key: SearchAttributeKey) -> str:
     """The server's name of a key's type (``Keyword``, ``Bool``, ...).
 
@@ -129,7 +137,8 @@ async def register(client: Client, namespace: str | None = None) -> dict[str, st
         ``{name: "created" | "exists"}`` for each attribute.
 
     Raises:
-        RuntimeError: If an attribute exists with a different type.
+        SearchAttributeTypeConflict: If an attribute exists with a
+            different type.
         temporalio.service.RPCError: If the server refuses the request (e.g.
             missing permission on Temporal Cloud, where attributes are added
             with ``tcld`` or the Cloud UI instead).
@@ -152,7 +161,7 @@ async def register(client: Client, namespace: str | None = None) -> dict[str, st
         if key.name in existing:
             if existing[key.name] != int(key.indexed_value_type):
                 have = IndexedValueType.Name(existing[key.name])
-                raise RuntimeError(
+                raise SearchAttributeTypeConflict(
                     f"search attribute {key.name} exists in namespace {ns} as {have}, "
                     f"stopline needs {type_name(key)}"
                 )

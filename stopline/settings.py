@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stopline.contracts import DEFAULT_TASK_QUEUE
@@ -41,12 +41,30 @@ class Settings(BaseSettings):
             delivered on a heartbeat response).
         tool_output_cap_bytes: Inline cap on tool output the model sees.
         sampling_timeout_s: start-to-close timeout of one sampling call.
+        worker_shutdown_grace_s: Seconds in-flight activities get to finish
+            when the worker is asked to stop (SIGTERM); shorter than a
+            container's usual 30 s termination grace.
         anthropic_api_key: ``$ANTHROPIC_API_KEY``.
         openai_api_key: ``$OPENAI_API_KEY``.
         anthropic_base_url: ``$ANTHROPIC_BASE_URL``.
         openai_base_url: ``$OPENAI_BASE_URL`` (OpenAI-compatible servers:
             vLLM, llama.cpp server, Ollama).
         log_format: ``console`` or ``json`` (structlog).
+        metrics_bind: ``host:port`` where the worker serves the Temporal
+            SDK's metrics for Prometheus at ``/metrics``
+            (``$STOPLINE_METRICS_BIND``, e.g. ``127.0.0.1:9464``). Unset: no
+            metrics endpoint. Only the worker binds it, so CLI commands never
+            compete for the port.
+        otel: Trace through OpenTelemetry (``$STOPLINE_OTEL=1``): the
+            ``TracingInterceptor`` on every client, when the ``otel`` extra
+            is installed; without it a warning is logged and nothing traced.
+        codec_key: Base64 of a 32-byte AES-256 key (``$STOPLINE_CODEC_KEY``).
+            Set: every payload (inputs, results, ledger rows, failure
+            messages) is encrypted before it reaches the Temporal server.
+            Every process of a deployment (workers, CLI, replay) needs it.
+        codec_previous_keys: Comma-separated base64 keys still accepted for
+            decrypting, after a rotation (``$STOPLINE_CODEC_PREVIOUS_KEYS``);
+            new payloads always use ``codec_key``.
     """
 
     model_config = SettingsConfigDict(env_prefix="STOPLINE_", extra="ignore")
@@ -63,6 +81,7 @@ class Settings(BaseSettings):
     heartbeat_throttle_s: float = 0.02
     tool_output_cap_bytes: int = 16_384
     sampling_timeout_s: float = 600.0
+    worker_shutdown_grace_s: float = 10.0
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_base_url: str = Field(
@@ -72,6 +91,16 @@ class Settings(BaseSettings):
         default="https://api.openai.com/v1", validation_alias="OPENAI_BASE_URL"
     )
     log_format: str = "console"
+    metrics_bind: str | None = None
+    otel: bool = False
+    codec_key: SecretStr | None = None
+    codec_previous_keys: SecretStr | None = None
+
+    @field_validator("otel", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: object) -> object:
+        """``STOPLINE_OTEL=`` (set but empty, as compose passes it) means off."""
+        return False if value == "" else value
 
     def resolved_host_task_queue(self) -> str:
         """The host-bound task queue name (``stopline-host-<hostname>`` by default)."""

@@ -5,9 +5,14 @@ Runs the workflow worker and the host-bound activity worker against
 (starting it, and stopping it again on exit, if it was not running).
 
 SIGTERM and SIGINT shut the worker down gracefully: in-flight activities get
-``WORKER_SHUTDOWN_GRACE_S`` to finish; a shutdown is never recorded as a user
-interrupt — an activity that does not finish in time is retried (sampling) or
-reported lost (tool) on the next worker (DESIGN §5).
+``STOPLINE_WORKER_SHUTDOWN_GRACE_S`` (default 10 s) to finish; a shutdown is
+never recorded as a user interrupt. A tool call still running when the grace
+ends is stopped (its process group TERMed, then KILLed) and its result says
+it was aborted because the worker shut down and may have partly run; a
+sampling call is retried on the next worker (DESIGN §5).
+
+With ``STOPLINE_METRICS_BIND`` set the worker serves the SDK's metrics for
+Prometheus there (``stopline.telemetry``).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import signal
 
 import structlog
 
+from stopline.codec import codec_from_settings
 from stopline.logging import configure_logging
 from stopline.runtime import build_workers, connect, dev_server, start_dev_server
 from stopline.settings import load_settings
+from stopline.telemetry import build_runtime
 
 
 async def run_worker() -> None:
@@ -27,13 +34,17 @@ async def run_worker() -> None:
     settings = load_settings()
     configure_logging(settings)
     log = structlog.get_logger("stopline.worker")
+    # One runtime per process: it owns the Prometheus listener (if any).
+    # Built first, so a bad or taken address fails before anything starts.
+    metrics_runtime = build_runtime(settings)
+    codec_from_settings(settings)  # a malformed STOPLINE_CODEC_KEY fails here too
     started_server = False
     address = settings.temporal_address
     if not address:
         was_running = dev_server(settings).pid() is not None
         address = start_dev_server(settings)
         started_server = not was_running
-    client = await connect(settings, address=address)
+    client = await connect(settings, address=address, runtime=metrics_runtime)
     workers = build_workers(client, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -42,6 +53,7 @@ async def run_worker() -> None:
     log.info(
         "worker_started", address=address, task_queue=settings.task_queue,
         host_task_queue=settings.resolved_host_task_queue(),
+        metrics=f"http://{settings.metrics_bind}/metrics" if metrics_runtime else None,
     )
     runs = [asyncio.create_task(w.run()) for w in workers]
     waiter = asyncio.create_task(stop.wait())

@@ -24,6 +24,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from stopline import search_attributes
 from stopline.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
 from stopline.runtime import build_workers, temporal_binary
 from stopline.scripted import ScriptedServer
@@ -46,7 +47,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         data_converter=pydantic_data_converter,
         ui=False,
         dev_server_log_level="error",
-        search_attributes=__import__("stopline.search_attributes", fromlist=["ALL"]).ALL,
+        search_attributes=search_attributes.ALL,
     )
     try:
         yield env
