@@ -140,10 +140,62 @@ async def interrupted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     return handle
 
 
+async def refused(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """A task that runs a tool, then is stopped by a provider refusal."""
+    server = ctx.scripted(scenario(
+        "anthropic",
+        entry(anthropic_message("looking", tool_calls=[("c1", "list_dir", {})])),
+        entry(anthropic_message("I started on it.", stop_reason="refusal",
+                                stop_details={"category": "cyber"})),
+    ))
+    handle = await ctx.start(server, "inspect the workspace")
+    result = await handle.result()
+    assert result.status == "stopped" and result.refused, result
+    return handle
+
+
+async def continued_as_new(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """The first run of a long task that continued-as-new (ends with the
+    ContinueAsNew event carrying the ledger by reference)."""
+    server = ctx.scripted(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("c", "list_dir", {})]), repeat=11),
+        entry(anthropic_message("done")),
+    ))
+    handle = await ctx.start(server, "list the directory a dozen times", continue_as_new_after_events=60)
+    result = await handle.result()
+    assert result.status == "completed" and result.rounds == 12, result
+    first = ctx.client.get_workflow_handle(ctx.task_id, run_id=handle.result_run_id)
+    return first
+
+
+async def subtask_refused(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """A parent that starts a sub-task, which a refusal stops, and waits for it."""
+    child = ctx.scripted(scenario(
+        "anthropic", entry(anthropic_message(stop_reason="refusal"))
+    ))
+    child_id = f"{ctx.task_id}.sub1"
+    parent = ctx.scripted(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("ts", "task_start", {
+            "prompt": "look into it", "model": "anthropic:scripted", "base_url": child.url,
+        })])),
+        entry(anthropic_message(tool_calls=[("tw", "task_wait", {"ids": [child_id]})])),
+        entry(anthropic_message("the sub-task was refused")),
+    ))
+    handle = await ctx.start(parent, "delegate the inspection")
+    result = await handle.result()
+    assert result.status == "completed", result
+    return handle
+
+
 #: Every scenario, by the name of the file it writes.
 SCENARIOS: dict[str, Callable[[Ctx], Awaitable[WorkflowHandle[Any, Any]]]] = {
     "completed": completed,
     "interrupted": interrupted,
+    "refused": refused,
+    "continued_as_new": continued_as_new,
+    "subtask_refused": subtask_refused,
 }
 
 
