@@ -1,9 +1,12 @@
 """The ``stopline`` command line.
 
 Commands: ``up`` / ``down`` (embedded dev server + worker in the
-background), ``run`` (start a task and follow it), ``status``,
-``transcript``, ``list``, ``interrupt``, ``message``, ``demo``,
-``scripted-server``, ``worker``.
+background), ``run`` (start a task and follow it; ``--detach`` is
+``task_start``), ``status`` (``task_status``), ``message``
+(``task_message``), ``wait`` (``task_wait``), ``stop`` (``task_stop``),
+``interrupt``, ``chat``, ``transcript``, ``list``, ``demo``,
+``scripted-server``, ``worker``, ``history export``, ``replay``,
+``search-attributes register``.
 
 ``run`` without ``up`` starts what it needs (dev server, worker, a scripted
 server for ``--model scripted:FILE``) and stops what it started when the task
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -382,6 +386,9 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
             "round": st.round if st else None,
             "rows": st.rows if st else None,
             "result": st.result.model_dump(mode="json") if st and st.result else None,
+            "refusal": st.refusal.model_dump() if st and st.refusal else None,
+            "stop_reason": st.stop_reason if st else None,
+            "note": st.note if st else None,
         }
         if args.json:
             print(json.dumps(out))
@@ -439,11 +446,121 @@ def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_message(args: argparse.Namespace, settings: Settings) -> int:
+    from activities.ledger import LedgerStore
+    from activities.tasks import TaskNotContinuable, send_task_message
+
     async def go() -> int:
-        _, handle = await _handle(settings, args.id)
-        ack = await handle.execute_update("message", args.text, result_type=MessageAck)
+        client = await _client(settings)
+        try:
+            ack = await send_task_message(client, LedgerStore(settings.ledger_dir), args.id, args.text)
+        except TaskNotContinuable as err:
+            raise UsageError(str(err)) from None
         console.print(f"message accepted (task {ack.state})")
         return 0
+
+    return asyncio.run(go())
+
+
+def cmd_wait(args: argparse.Namespace, settings: Settings) -> int:
+    """``task_wait`` from the CLI: wait until every task settles (or timeout)."""
+
+    async def go() -> int:
+        client = await _client(settings)
+        worst = 0
+        results = {}
+        for task_id in args.ids:
+            handle = client.get_workflow_handle(task_id, result_type=AgentTaskResult)
+            try:
+                result = await asyncio.wait_for(handle.result(), args.timeout)
+            except asyncio.TimeoutError:
+                results[task_id] = {"status": "running"}
+                worst = max(worst, 4)
+                continue
+            results[task_id] = result.model_dump(mode="json", exclude={"final_text"})
+            worst = max(worst, EXIT_CODES[result.status])
+        if args.json:
+            print(json.dumps(results))
+        else:
+            for task_id, r in results.items():
+                tag = " (refused)" if r.get("refused") else ""
+                console.print(f"{task_id}: {r['status']}{tag} {r.get('reason', '')}")
+        return worst
+
+    return asyncio.run(go())
+
+
+def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
+    """``task_stop`` from the CLI: cancel a task, print where it stopped."""
+    from temporalio.service import RPCError
+
+    async def go() -> int:
+        client = await _client(settings)
+        handle = client.get_workflow_handle(args.id, result_type=AgentTaskResult)
+        try:
+            await handle.cancel()
+        except RPCError:
+            pass  # already closed: its result says where it stopped
+        result = await asyncio.wait_for(handle.result(), 60)
+        body: dict[str, Any] = {
+            "task_id": args.id, "status": result.status, "refused": result.refused,
+            "reason": result.reason, "evidence": result.evidence,
+        }
+        if result.refused:
+            from stopline.refusal import NOT_CONTINUABLE
+
+            body["note"] = NOT_CONTINUABLE
+        print(json.dumps(body, indent=None if args.json else 1))
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
+    """A chat thread: start one (or use ``--thread``), send messages, print
+    each turn. Without TEXT, reads one message per line from stdin."""
+    from stopline.contracts import CHAT_THREAD_WORKFLOW, ChatThreadInput
+    from workflows.chat_thread import TurnOutcome
+
+    async def go() -> int:
+        async with AsyncExitStack() as stack:
+            # a thread outlives this command: what we start keeps running
+            address = await _runtime(settings, stack, keep=True)
+            client = await _client(settings, address)
+            thread_id = args.thread or f"chat-{uuid.uuid4().hex[:8]}"
+            if not args.thread:
+                model, base_url = args.model, None
+                if model.startswith("scripted:"):
+                    model, base_url = _start_scripted(
+                        settings, Path(model.split(":", 1)[1]).resolve(), thread_id, address, stack
+                    )
+                    stack.pop_all()
+                await client.start_workflow(
+                    CHAT_THREAD_WORKFLOW,
+                    ChatThreadInput(
+                        model=model, base_url=base_url, workspace=str(Path(args.workspace).resolve()),
+                        host_task_queue=settings.resolved_host_task_queue(),
+                    ),
+                    id=thread_id, task_queue=settings.task_queue,
+                )
+                console.print(f"thread [bold]{thread_id}[/bold] (continue with --thread {thread_id})")
+            handle = client.get_workflow_handle(thread_id)
+            for source_text in args.increment or []:
+                source, _, text = source_text.partition(":")
+                await handle.execute_update("increment", args=[source, text])
+            texts = [args.text] if args.text else (line.rstrip("\n") for line in sys.stdin)
+            code = 0
+            for text in texts:
+                if not text.strip():
+                    continue
+                out: TurnOutcome = await handle.execute_update("ask", text, result_type=TurnOutcome)
+                if out.final_text:
+                    console.print(f"[bold]assistant:[/bold] {out.final_text}")
+                tag = " (refused)" if out.refused else ""
+                console.print(f"[dim]turn {out.turn}: {out.status}{tag} — {out.reason}[/dim]")
+                code = EXIT_CODES.get(out.status, 0)
+            if args.close:
+                await handle.signal("close")
+            return code
 
     return asyncio.run(go())
 
@@ -623,6 +740,27 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("text")
     m.set_defaults(fn=cmd_message)
 
+    w = sub.add_parser("wait", help="wait until tasks settle (task_wait)")
+    w.add_argument("ids", nargs="+")
+    w.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(fn=cmd_wait)
+
+    st = sub.add_parser("stop", help="stop a task and print where it stopped (task_stop)")
+    st.add_argument("id")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_stop)
+
+    ch = sub.add_parser("chat", help="talk in a chat thread (started if --thread is not given)")
+    ch.add_argument("text", nargs="?", help="the message; without it, one message per stdin line")
+    ch.add_argument("--thread", help="an existing thread id")
+    ch.add_argument("--model", default="anthropic:claude-sonnet-4-5", help="provider:model or scripted:FILE")
+    ch.add_argument("--workspace", default=".")
+    ch.add_argument("--increment", action="append", metavar="SOURCE:TEXT",
+                    help="an external increment (inbox summary, event) sent with the next request")
+    ch.add_argument("--close", action="store_true", help="close the thread after this message")
+    ch.set_defaults(fn=cmd_chat)
+
     sub.add_parser("list", help="list tasks").set_defaults(fn=cmd_list)
     sub.add_parser("worker", help="run a worker in the foreground").set_defaults(fn=cmd_worker)
 
@@ -678,5 +816,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """Console-script entry: run :func:`main`, then leave without finalization.
+
+    The Temporal SDK's native threads can abort a finalizing interpreter
+    ("Fatal Python error: PyGILState_Release"), which would turn a good exit
+    code into SIGABRT. Everything is flushed first; nothing else is pending.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

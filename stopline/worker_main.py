@@ -69,8 +69,20 @@ async def run_worker() -> None:
 
 
 def main() -> None:
-    """Entry point."""
-    asyncio.run(run_worker())
+    """Entry point. Exits without interpreter finalization, which the
+    Temporal SDK's native threads can abort ("PyGILState_Release")."""
+    import os
+    import sys
+
+    code = 0
+    try:
+        asyncio.run(run_worker())
+    except Exception as err:  # reported, then a non-zero exit
+        print(f"worker failed: {err}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -155,3 +155,28 @@ async def start_task(
         task_queue=task_queue,
         result_type=AgentTaskResult,
     )
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remember the exit status for :func:`pytest_unconfigure`."""
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave without interpreter finalization once pytest has reported.
+
+    The Temporal SDK's native threads can abort a finalizing interpreter
+    ("Fatal Python error: PyGILState_Release"), turning a green run's exit
+    code into SIGABRT and printing a crash into CI output. The summary is
+    already printed and every fixture torn down; only finalization is left.
+    """
+    import sys
+
+    if _exit_status and not getattr(config, "workerinput", None):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[-1])

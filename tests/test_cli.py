@@ -83,3 +83,80 @@ def test_up_run_status_list_down(cli_env: dict[str, str], tmp_path: Path) -> Non
         down = _stopline(cli_env, "down")
     assert down.returncode == 0
     assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+
+
+def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """refused outcome, message/status/stop/wait on it, chat, and Ctrl-C twice."""
+    import signal
+    import time
+
+    from stopline.refusal import NOT_CONTINUABLE, NOT_FORWARDED
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    refused = tmp_path / "refused.json"
+    refused.write_text(json.dumps(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo secret-arg"})])),
+        entry(anthropic_message("partial", stop_reason="refusal")),
+    )))
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})])),
+        entry(anthropic_message("stopped as asked")),
+    )))
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps(scenario("anthropic", entry(anthropic_message("hello from the thread")))))
+    try:
+        assert _stopline(cli_env, "up").returncode == 0
+        run = _stopline(cli_env, "run", "go", "--model", f"scripted:{refused}", "--workspace", str(ws), "--json")
+        assert run.returncode == 3, run.stderr
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert result["status"] == "stopped" and result["refused"] is True
+        task_id = result["task_id"]
+
+        msg = _stopline(cli_env, "message", task_id, "please continue")
+        assert msg.returncode == 2 and NOT_CONTINUABLE in msg.stderr.replace("\n", " ")
+        status = json.loads(_stopline(cli_env, "status", task_id, "--json").stdout)
+        assert status["refusal"]["provider"] == "anthropic" and status["note"] == NOT_CONTINUABLE
+        stop = json.loads(_stopline(cli_env, "stop", task_id, "--json").stdout)
+        assert stop["evidence"]["last_tool"]["args_firstline"] == NOT_FORWARDED
+        assert "secret-arg" not in json.dumps(stop)
+        wait = _stopline(cli_env, "wait", task_id, "--json")
+        assert wait.returncode == 3 and json.loads(wait.stdout)[task_id]["refused"] is True
+
+        talk = _stopline(cli_env, "chat", "hi", "--model", f"scripted:{chat}", "--workspace", str(ws), "--close")
+        assert talk.returncode == 0, talk.stderr
+        assert "hello from the thread" in talk.stdout
+
+        # Ctrl-C while a task streams: first interrupts the turn, second detaches.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stopline.cli", "run", "go", "--model", f"scripted:{slow}",
+             "--workspace", str(ws)],
+            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not (ws / "pid").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert (ws / "pid").exists()
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(2.0)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 130, err
+        assert "interrupted" in err and "detached" in out
+        slow_id = next(w for w in out.split() if w.startswith("task-"))
+        ledger = Path(cli_env["STOPLINE_HOME"]) / "ledger" / slow_id / "ledger.jsonl"
+        kinds = [json.loads(line)["kind"] for line in ledger.read_text().splitlines()]
+        assert kinds[-1] == "turn_aborted"
+        assert _stopline(cli_env, "message", slow_id, "fine, stop").returncode == 0
+        assert _stopline(cli_env, "wait", slow_id).returncode == 0
+    finally:
+        _stopline(cli_env, "down")
+    assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
