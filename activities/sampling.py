@@ -125,6 +125,11 @@ async def sample(inp: SampleInput) -> SamplingResult:
             ``ConversationInvalid`` (non-retryable). ``details[0]`` is
             ``{"attempt": n, "status": http status or None}``.
     """
+    with structlog.contextvars.bound_contextvars(task_id=inp.task_id, round=inp.round):
+        return await _sample(inp)
+
+
+async def _sample(inp: SampleInput) -> SamplingResult:
     settings = load_settings()
     info = activity.info()
     store = default_store()
@@ -184,4 +189,8 @@ async def sample(inp: SampleInput) -> SamplingResult:
             next_retry_delay=delay,
         ) from None
     result.attempt = info.attempt
+    log.info(
+        "sampled", provider=result.provider, model=result.model, stop_reason=result.stop_reason,
+        tool_calls=len(result.tool_calls), attempt=info.attempt,
+    )
     return result

@@ -242,6 +242,7 @@ class ToolCallInput(_Model):
             cancelled or times out.
         output_cap_bytes: Inline cap for the text the model sees; more is
             kept head + tail and the whole output stored beside the ledger.
+        round: Sampling round the call belongs to (bound into log lines).
     """
 
     task_id: str
@@ -250,6 +251,7 @@ class ToolCallInput(_Model):
     timeout_s: float = 120.0
     kill_grace_s: float = 0.1
     output_cap_bytes: int = 16_384
+    round: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -347,6 +349,7 @@ class SampleInput(_Model):
             already holds a ``provider-refusal-stop`` row is answered with that
             refusal and no provider call (a reset or re-drive never reaches
             the provider again — seed 000 §5).
+        round: Sampling round (bound into log lines).
     """
 
     task_id: str
@@ -360,6 +363,7 @@ class SampleInput(_Model):
     max_tokens: int = 4096
     stream: bool = True
     thread_kind: str = "task"
+    round: int = 0
 
 
 # ---------------------------------------------------------------------------

@@ -45,10 +45,17 @@ class TaskIdArgs(_Args):
 
 
 class TaskMessageArgs(_Args):
-    """``task_message``: send a running sub-task a message."""
+    """``task_message``: send a running sub-task a message.
+
+    ``wait`` (sync): after the message is accepted, wait like ``task_wait``
+    for the task to settle. Sync or async, a refused task is rejected with
+    the same sentence before anything is sent (seed 000 §5).
+    """
 
     id: str
     text: str = Field(min_length=1)
+    wait: bool = False
+    timeout_s: float = Field(default=300.0, gt=0, le=86_400)
 
 
 TASK_TOOL_SPECS: list[ToolSpec] = [
@@ -81,7 +88,10 @@ TASK_TOOL_SPECS: list[ToolSpec] = [
     ),
     ToolSpec(
         name="task_message",
-        description="Send a message to a running or waiting sub-task.",
+        description=(
+            "Send a message to a running or waiting sub-task. With `wait: true`, also wait "
+            "(up to `timeout_s`) until it settles."
+        ),
         input_schema=TaskMessageArgs.model_json_schema(),
     ),
 ]

@@ -144,3 +144,30 @@ def test_api_keys_are_redacted_from_logs(monkeypatch: pytest.MonkeyPatch) -> Non
     line = json.loads(out.strip().splitlines()[-1])
     assert line["task_id"] == "t1" and line["api_key"] == "***"
     structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("worker")
+async def test_json_logs_bind_task_round_and_tool(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stopline.logging import configure_logging
+
+    monkeypatch.setenv("STOPLINE_LOG_FORMAT", "json")
+    buf = io.StringIO()
+    configure_logging(load_settings())
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=buf), cache_logger_on_first_use=False)
+    try:
+        server = scripted(scenario(
+            "anthropic",
+            entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "true"})])),
+            entry(anthropic_message("ok")),
+        ))
+        handle = await start_task(client, task_queue, server, workspace)
+        assert (await handle.result()).status == "completed"
+    finally:
+        structlog.reset_defaults()
+    lines = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
+    tool = next(x for x in lines if x["event"] == "tool_call")
+    assert tool["task_id"] == handle.id and tool["round"] == 1 and tool["tool"] == "shell"
+    sampled = [x for x in lines if x["event"] == "sampled"]
+    assert [x["round"] for x in sampled] == [1, 2] and all(x["task_id"] == handle.id for x in sampled)

@@ -155,26 +155,32 @@ async def test_a_refused_task_is_found_by_its_search_attributes(
     await search_attributes.register(client)  # a no-op on the session's server
     refused = scripted(scenario("anthropic", entry(anthropic_message("", stop_reason="refusal"))))
     done = scripted(scenario("anthropic", entry(anthropic_message("done"))))
+    capped = scripted(scenario("anthropic", entry(anthropic_message(tool_calls=[("c", "list_dir", {})]))))
     h_refused = await start_task(client, task_queue, refused, workspace)
     h_done = await start_task(client, task_queue, done, workspace)
+    h_stopped = await start_task(client, task_queue, capped, workspace, max_rounds=1)
     assert (await h_refused.result()).refused is True
     assert (await h_done.result()).status == "completed"
-    ids = f"WorkflowId IN ('{h_refused.id}', '{h_done.id}')"
+    assert (await h_stopped.result()).status == "stopped"
+    ids = f"WorkflowId IN ('{h_refused.id}', '{h_done.id}', '{h_stopped.id}')"
     found: dict[str, list[str]] = {}
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:  # visibility is eventually consistent
         found = {
             q: [wf.id async for wf in client.list_workflows(f"{ids} AND {q}")]
-            for q in ("StoplineRefused = true", "StoplineStatus = 'completed'", "StoplineKind = 'task'")
+            for q in ("StoplineRefused = true", "StoplineStatus = 'completed'", "StoplineKind = 'task'",
+                      "StoplineStatus = 'stopped'")
         }
         if found["StoplineRefused = true"] and found["StoplineStatus = 'completed'"] and len(
             found["StoplineKind = 'task'"]
-        ) == 2:
+        ) == 3 and len(found["StoplineStatus = 'stopped'"]) == 2:
             break
         await asyncio.sleep(0.2)
     assert found["StoplineRefused = true"] == [h_refused.id]
     assert found["StoplineStatus = 'completed'"] == [h_done.id]
-    assert sorted(found["StoplineKind = 'task'"]) == sorted([h_refused.id, h_done.id])
+    assert sorted(found["StoplineKind = 'task'"]) == sorted([h_refused.id, h_done.id, h_stopped.id])
+    # a stopped task is found whether a refusal or a limit stopped it
+    assert sorted(found["StoplineStatus = 'stopped'"]) == sorted([h_refused.id, h_stopped.id])
     desc = await h_done.describe()
     assert desc.typed_search_attributes.get(search_attributes.MODEL) == "anthropic:scripted"
 

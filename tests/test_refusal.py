@@ -287,9 +287,10 @@ async def test_receipt_and_task_stop_evidence_carry_no_trigger(
 
 
 @pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 async def test_task_message_to_refused_task_fails_with_the_sentence(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
-    temporal_env: Any,
+    sync: bool,
 ) -> None:
     child = scripted(scenario("anthropic", _refusal()))
     parent_id = f"parent-{uuid.uuid4().hex[:8]}"
@@ -297,7 +298,8 @@ async def test_task_message_to_refused_task_fails_with_the_sentence(
     parent = scripted(_parent_scenario(
         _model(child), child.url,
         entry(anthropic_message(tool_calls=[("tw", "task_wait", {"ids": [child_id]})])),
-        entry(anthropic_message(tool_calls=[("tm", "task_message", {"id": child_id, "text": "go on"})])),
+        entry(anthropic_message(tool_calls=[("tm", "task_message",
+                                             {"id": child_id, "text": "go on", "wait": sync})])),
         entry(anthropic_message("ok")),
     ))
     handle = await _start(client, task_queue, parent, workspace, task_id=parent_id)
@@ -436,3 +438,29 @@ async def test_persisted_refusal_is_recovered_as_cancelled_after_worker_kill(
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+@pytest.mark.usefixtures("worker")
+async def test_task_message_reaches_a_running_subtask_and_sync_waits_for_it(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    child = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "sleep 1.5"})])),
+        entry(anthropic_message("child done, with the extra note")),
+    ))
+    parent_id = f"parent-{uuid.uuid4().hex[:8]}"
+    child_id = f"{parent_id}.sub1"
+    parent = scripted(_parent_scenario(
+        _model(child), child.url,
+        entry(anthropic_message(tool_calls=[("tm", "task_message",
+                                             {"id": child_id, "text": "also note X", "wait": True})])),
+        entry(anthropic_message("all good")),
+    ))
+    handle = await _start(client, task_queue, parent, workspace, task_id=parent_id)
+    assert (await handle.result()).status == "completed"
+    tm = next(r for r in _rows(stopline_home, parent_id) if r.call_id == "tm")
+    assert tm.ok and "message delivered" in tm.text and f"{child_id}: completed" in tm.text
+    child_rows = _rows(stopline_home, child_id)
+    assert any(r.kind == "user_message" and r.text == "also note X" for r in child_rows)
+    assert "also note X" in json.dumps(child.requests()[-1]["body"])

@@ -265,6 +265,7 @@ class TurnEngine:
                 max_tokens=limits.max_tokens,
                 stream=self._inp.stream,
                 thread_kind=self._kind,
+                round=self._n.rounds,
             ),
             result_type=SamplingResult,
             task_queue=self._inp.host_task_queue,
@@ -370,7 +371,7 @@ class TurnEngine:
         """
         running: list[_RunningCall] = []
         for call in calls:
-            if call.name in TASK_TOOL_NAMES and call.name != "task_message":
+            if call.name in TASK_TOOL_NAMES:
                 handle: Any = asyncio.create_task(self._run_task_tool(call))
             else:
                 handle = self._start_tool_activity(call)
@@ -419,20 +420,6 @@ class TurnEngine:
 
     def _start_tool_activity(self, call: ToolCall) -> Any:
         limits: TaskLimits = self._inp.limits
-        if call.name == "task_message":
-            return workflow.start_activity(
-                TASK_MESSAGE_ACTIVITY,
-                TaskMessageInput(
-                    task_id=str((call.arguments or {}).get("id", "")),
-                    text=str((call.arguments or {}).get("text", "")),
-                ),
-                result_type=ToolOutcome,
-                task_queue=self._inp.host_task_queue,
-                start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=TOOL_RETRY,
-                cancellation_type=workflow.ActivityCancellationType.TRY_CANCEL,
-                summary=f"task_message ({call.id})",
-            )
         return workflow.start_activity(
             TOOL_ACTIVITY,
             ToolCallInput(
@@ -442,6 +429,7 @@ class TurnEngine:
                 timeout_s=limits.tool_timeout_s,
                 kill_grace_s=limits.interrupt_grace_s,
                 output_cap_bytes=limits.tool_output_cap_bytes,
+                round=self._n.rounds,
             ),
             result_type=ToolOutcome,
             task_queue=self._inp.host_task_queue,
@@ -477,6 +465,8 @@ class TurnEngine:
                 return await self._task_wait(TaskWaitArgs.model_validate(args))
             if call.name == "task_stop":
                 return await self._task_stop(TaskIdArgs.model_validate(args))
+            if call.name == "task_message":
+                return await self._task_message(TaskMessageArgs.model_validate(args))
             return self._task_status_tool(TaskIdArgs.model_validate(args))
         except ValidationError as err:
             problems = "; ".join(
@@ -578,6 +568,25 @@ class TurnEngine:
                 lines.append(f"{i}: {info.result.status}{tag}; its result is in the task result above")
         self._publish("task_wait_done", text=", ".join(args.ids))
         return RespondToModel(text="\n".join(lines))
+
+    async def _task_message(self, args: TaskMessageArgs) -> RespondToModel:
+        """Send a task a message (an activity: an Update on another workflow);
+        sync mode then waits for its settlement like ``task_wait``."""
+        sent: RespondToModel | Fatal = await workflow.execute_activity(
+            TASK_MESSAGE_ACTIVITY,
+            TaskMessageInput(task_id=args.id, text=args.text),
+            result_type=ToolOutcome,
+            task_queue=self._inp.host_task_queue,
+            start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=TOOL_RETRY,
+            summary=f"task_message {args.id}",
+        )
+        if not isinstance(sent, RespondToModel) or not sent.ok or not args.wait:
+            return sent if isinstance(sent, RespondToModel) else RespondToModel(text=sent.reason, ok=False)
+        if args.id not in self._children:
+            return RespondToModel(text=f"{sent.text}; not a sub-task of this thread, so not waiting")
+        waited = await self._task_wait(TaskWaitArgs(ids=[args.id], timeout_s=args.timeout_s))
+        return RespondToModel(text=f"{sent.text}\n{waited.text}")
 
     async def _task_stop(self, args: TaskIdArgs) -> RespondToModel:
         child = self._children.get(args.id)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import structlog
 from temporalio import activity
 
 from activities._heartbeat import heartbeating
@@ -36,6 +37,8 @@ from ._context import CallProgress
 from .procs import uncancel_current_task
 from .registry import run_tool
 from .shell import _abort_cause
+
+log = structlog.get_logger("stopline.tools")
 
 
 @activity.defn(name=TOOL_ACTIVITY)
@@ -50,6 +53,19 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
         cancel: ``aborted=True, terminal=False`` unless the call had already
         reached its terminal state, whose real result is returned instead.
     """
+    with structlog.contextvars.bound_contextvars(
+        task_id=inp.task_id, round=inp.round, tool=inp.call.name, call_id=inp.call.id
+    ):
+        outcome = await _run(inp)
+        match outcome:
+            case RespondToModel():
+                log.info("tool_call", ok=outcome.ok, aborted=outcome.aborted, elapsed_s=outcome.elapsed_s)
+            case Fatal():
+                log.error("tool_call_fatal", reason=outcome.reason)
+        return outcome
+
+
+async def _run(inp: ToolCallInput) -> RespondToModel | Fatal:
     progress = CallProgress()
     started = time.monotonic()
     outcome: RespondToModel | Fatal | None = None
