@@ -323,15 +323,20 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _limits(args: argparse.Namespace) -> TaskLimits:
-    kw: dict[str, Any] = {}
+    """Task limits from flags, falling back to the settings (environment)."""
+    settings = load_settings()
+    kw: dict[str, Any] = {
+        "interrupt_grace_s": settings.interrupt_grace_s,
+        "heartbeat_timeout_s": settings.heartbeat_timeout_s,
+        "sampling_timeout_s": settings.sampling_timeout_s,
+        "tool_output_cap_bytes": settings.tool_output_cap_bytes,
+    }
     if args.max_rounds is not None:
         kw["max_rounds"] = args.max_rounds
     if args.tool_timeout is not None:
         kw["tool_timeout_s"] = args.tool_timeout
     if args.grace is not None:
         kw["interrupt_grace_s"] = args.grace
-    else:
-        kw["interrupt_grace_s"] = load_settings().interrupt_grace_s
     return TaskLimits(**kw)
 
 
