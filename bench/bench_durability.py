@@ -184,10 +184,10 @@ def run_stats(events: list[HistoryEvent]) -> RunStats:
     stats = RunStats(len(events), sum(e.ByteSize() for e in events), events[0].ByteSize(), rounds)
     payloads = events[0].workflow_execution_started_event_attributes.input.payloads
     with contextlib.suppress(ValueError, IndexError, AttributeError, TypeError):
-        carry = json.loads(payloads[0].data).get("carry") or {}
-        state = carry.get("stream_state") or {}
-        stats.stream_bytes = len(json.dumps(state, separators=(",", ":")))
-        stats.stream_items = len(state.get("log") or [])
+        state = (json.loads(payloads[0].data).get("carry") or {}).get("stream_state")
+        if state:
+            stats.stream_bytes = len(json.dumps(state, separators=(",", ":")))
+            stats.stream_items = len(state.get("log") or [])
     return stats
 
 
@@ -644,7 +644,8 @@ def report_long(args: argparse.Namespace, legs: list[Long]) -> None:
         "events. 'Input' = each run's WorkflowExecutionStarted event (the task input; after continue-as-"
         "new it holds ThreadCarry, incl. the workflow stream's state). "
         + ("Server: continue-as-new suggestions raised (see --stock-suggest)." if not args.stock_suggest
-           else "Server: stock continue-as-new suggestions (4,096 events / 4 MB)."),
+           else f"Server: stock continue-as-new suggestions ({SUGGEST_CAN_EVENTS:,} events / "
+           f"{fmt_bytes(SUGGEST_CAN_BYTES)})."),
     )
     table.add_column("metric", no_wrap=True)
     table.add_column(f"continue-as-new after {can.can_events:,} events", justify="right")
@@ -668,7 +669,8 @@ def report_long(args: argparse.Namespace, legs: list[Long]) -> None:
                   *(f"{fmt_bytes(leg.runs[0].input_bytes)} → {fmt_bytes(leg.runs[-1].input_bytes)}"
                     for leg in legs), "")
     table.add_row("  of the last input: carried stream state",
-                  *(f"{fmt_bytes(leg.runs[-1].stream_bytes)} ({leg.runs[-1].stream_items:,} items)" for leg in legs), "")
+                  *(f"{fmt_bytes(leg.runs[-1].stream_bytes)} ({leg.runs[-1].stream_items:,} items)"
+                    if leg.runs[-1].stream_bytes else "none (no carry)" for leg in legs), "")
     table.add_row("ledger rows (must match)", str(can.ledger_rows), str(one.ledger_rows),
                   "[green]equal[/]" if can.ledger_rows == one.ledger_rows else "[red]differ[/]")
     console.print(table)
@@ -702,6 +704,10 @@ def report_long(args: argparse.Namespace, legs: list[Long]) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    # SIGTERM cancels the run like Ctrl-C does, so every ``finally`` below cleans up.
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     extra = [] if args.stock_suggest else [
         "--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=1000000",
         "--dynamic-config-value", "limit.historySize.suggestContinueAsNew=1000000000",
@@ -746,4 +752,8 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    try:
+        asyncio.run(main(parse_args()))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        console.print("[yellow]interrupted: everything this run started has been stopped[/]")
+        sys.exit(130)

@@ -137,6 +137,32 @@ def _start_scripted(
     return f"{WIRE_TO_PROVIDER[scenario['wire']]}:scripted", f"http://127.0.0.1:{port}"
 
 
+def _check_model(model: str, settings: Settings) -> None:
+    """Reject a malformed model ref before a task starts; warn on a missing key.
+
+    The key is read by the worker from its own environment, so a missing key
+    here is only a warning (the worker may have it).
+    """
+    if model.startswith("scripted:"):
+        path = Path(model.split(":", 1)[1])
+        if not path.is_file():
+            raise UsageError(f"scenario file {path} does not exist")
+        return
+    from activities.providers.registry import parse_model_ref
+
+    try:
+        provider, _ = parse_model_ref(model)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    key = settings.anthropic_api_key if provider == "anthropic" else settings.openai_api_key
+    if key is None and provider != "openai-compat" and not settings.temporal_address:
+        name = "ANTHROPIC_API_KEY" if provider == "anthropic" else "OPENAI_API_KEY"
+        err_console.print(
+            f"[yellow]warning: {name} is not set; the worker will get 401s or network "
+            f"errors (retried by Temporal, then the task fails)[/yellow]"
+        )
+
+
 async def _client(settings: Settings, address: str | None = None) -> Any:
     from stopline.runtime import connect
 
@@ -166,8 +192,11 @@ def _print_event(ev: TaskEvent) -> None:
     elif ev.kind == "tool_call_started":
         console.print(f"  [cyan]▶ {ev.tool_name}[/cyan] [dim]{ev.call_id}[/dim]")
     elif ev.kind == "tool_call_finished":
-        mark = "[green]✓[/green]" if ev.ok else "[red]✗[/red]"
         first = ev.text.splitlines()[0] if ev.text else ""
+        if first.startswith("aborted"):
+            mark = "[yellow]⊘[/yellow]"
+        else:
+            mark = "[green]✓[/green]" if ev.ok else "[red]✗[/red]"
         console.print(f"  {mark} {ev.tool_name}: [dim]{first[:120]}[/dim]")
     elif ev.kind == "turn_aborted":
         console.print("[yellow]turn aborted by user[/yellow]")
@@ -215,6 +244,7 @@ async def _run_task(
     task_id = task_id or f"task-{uuid.uuid4().hex[:12]}"
     if not workspace.is_dir():
         raise UsageError(f"workspace {workspace} is not a directory")
+    _check_model(model, settings)
     async with AsyncExitStack() as stack:
         address = await _runtime(settings, stack, keep=detach)
         base_url = None
@@ -315,6 +345,9 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
 
     stopped_worker = runtime.background_worker(settings).stop()
     stopped_server = runtime.dev_server(settings).stop()
+    run_dir = settings.home / "run"
+    for pid_file in sorted(run_dir.glob("scripted-*.pid")) if run_dir.is_dir() else []:
+        runtime.Managed("scripted", pid_file, pid_file.with_suffix(".log")).stop(5.0)
     console.print(
         f"worker {'stopped' if stopped_worker else 'not running'}; "
         f"dev server {'stopped' if stopped_server else 'not running'}"
@@ -382,8 +415,10 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         desc = await handle.describe()
         try:
             st: TaskStatus | None = await handle.query("status", result_type=TaskStatus)
-        except Exception:  # a closed run with no worker to answer
+        except Exception as err:  # no worker to answer, or it cannot decode
             st = None
+            err_console.print(f"[yellow]no worker answered the status query ({err}); "
+                              f"is one running? (`stopline up`)[/yellow]")
         out = {
             "task_id": args.id,
             "workflow_status": desc.status.name if desc.status else None,
@@ -399,7 +434,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
             print(json.dumps(out))
         else:
             for k, v in out.items():
-                console.print(f"{k:16} {v}")
+                console.print(f"{k:16} {json.dumps(v) if isinstance(v, dict) else v}", markup=False)
         return 0
 
     return asyncio.run(go())
@@ -428,10 +463,31 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
+    """Tasks and chat threads with their outcome (from search attributes)."""
+    from stopline import search_attributes as sa
+    from stopline.contracts import CHAT_THREAD_WORKFLOW
+
     async def go() -> int:
         client = await _client(settings)
-        async for wf in client.list_workflows(f"WorkflowType = '{AGENT_TASK_WORKFLOW}'"):
-            console.print(f"{wf.id:28} {wf.status.name if wf.status else '?':12} {wf.start_time:%Y-%m-%d %H:%M:%S}")
+        query = f"WorkflowType IN ('{AGENT_TASK_WORKFLOW}', '{CHAT_THREAD_WORKFLOW}')"
+        async for wf in client.list_workflows(query):
+            attrs = wf.typed_search_attributes
+            row = {
+                "id": wf.id,
+                "kind": attrs.get(sa.KIND) or ("chat" if wf.workflow_type == CHAT_THREAD_WORKFLOW else "task"),
+                "status": attrs.get(sa.STATUS) or (wf.status.name.lower() if wf.status else "?"),
+                "refused": bool(attrs.get(sa.REFUSED)),
+                "model": attrs.get(sa.MODEL),
+                "started": wf.start_time.isoformat(),
+            }
+            if args.json:
+                print(json.dumps(row))
+            else:
+                tag = " refused" if row["refused"] else ""
+                console.print(
+                    f"{row['id']:32} {row['kind']:5} {row['status'] + tag:16} "
+                    f"{wf.start_time:%Y-%m-%d %H:%M:%S}  {row['model'] or ''}"
+                )
         return 0
 
     return asyncio.run(go())
@@ -707,7 +763,12 @@ def cmd_search_attributes_register(args: argparse.Namespace, settings: Settings)
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one sub-command per verb)."""
-    p = argparse.ArgumentParser(prog="stopline", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="stopline",
+        description="Durable LLM agent tasks on Temporal: every way a turn ends is recorded.",
+        epilog="Exit codes of run/demo/wait: 0 completed, 1 failed, 3 stopped, 2 usage error, "
+        "130 detached by a second Ctrl-C.",
+    )
     p.add_argument("--home", help="state directory (default $STOPLINE_HOME or ~/.stopline)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -718,12 +779,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("prompt")
     r.add_argument("--model", default="anthropic:claude-sonnet-4-5",
                    help="provider:model (anthropic, openai, openai-responses, openai-compat) or scripted:FILE")
-    r.add_argument("--workspace", default=".")
-    r.add_argument("--max-rounds", type=int)
+    r.add_argument("--workspace", default=".", help="directory the tools work in (default: here)")
+    r.add_argument("--max-rounds", type=int, help="sampling rounds before the task stops (default 50)")
     r.add_argument("--tool-timeout", type=float, help="per-tool timeout, seconds")
     r.add_argument("--grace", type=float, help="interrupt grace period, seconds (default 0.1)")
-    r.add_argument("--detach", action="store_true")
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--detach", action="store_true", help="start the task and return (task_start)")
+    r.add_argument("--json", action="store_true", help="print the result object as the last line")
     r.set_defaults(fn=cmd_run)
 
     d = sub.add_parser("demo", help="run the bundled demo task on the embedded server")
@@ -766,7 +827,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--close", action="store_true", help="close the thread after this message")
     ch.set_defaults(fn=cmd_chat)
 
-    sub.add_parser("list", help="list tasks").set_defaults(fn=cmd_list)
+    ls = sub.add_parser("list", help="list tasks and chat threads with their outcome")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(fn=cmd_list)
     sub.add_parser("worker", help="run a worker in the foreground").set_defaults(fn=cmd_worker)
 
     s = sub.add_parser("scripted-server", help="serve a scenario's recorded provider responses")
@@ -812,9 +875,17 @@ def main(argv: list[str] | None = None) -> int:
     from stopline.logging import configure_logging
 
     configure_logging(settings)
+    from temporalio.service import RPCError
+
     try:
         return int(args.fn(args, settings) or 0)
     except UsageError as e:
+        err_console.print(f"[red]error:[/red] {e}", markup=True)
+        return 2
+    except RPCError as e:  # unknown task id, a closed workflow, no server
+        err_console.print(f"[red]error:[/red] {e.message}")
+        return 2
+    except (ValueError, FileNotFoundError) as e:  # a bad scenario/history file, model ref
         err_console.print(f"[red]error:[/red] {e}")
         return 2
     except KeyboardInterrupt:

@@ -51,7 +51,7 @@ async def _run_chain(client: Client, wf_id: str) -> list[Any]:
 async def test_long_task_continues_as_new_carrying_the_ledger(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
 ) -> None:
-    rounds = 60
+    rounds = 120
     server = scripted(_rounds_scenario(rounds))
     handle = await start_task(
         client, task_queue, server, workspace, max_rounds=rounds + 5,
@@ -65,6 +65,9 @@ async def test_long_task_continues_as_new_carrying_the_ledger(
     assert len(histories) >= 3, len(histories)
     for h in histories:
         assert len(h.events) < 250  # every run well under the server's limits
+    # what a run carries does not grow with the task (the stream is trimmed)
+    inputs = [h.events[0].ByteSize() for h in histories]
+    assert max(inputs[1:]) < 64_000, inputs
     rows = LedgerStore(stopline_home / "ledger").read(handle.id)
     assert [r.seq for r in rows] == list(range(1, len(rows) + 1))
     assert [r.kind for r in rows].count("tool_result") == rounds - 1

@@ -92,6 +92,9 @@ TOOL_RETRY = RetryPolicy(maximum_attempts=1)
 #: Ledger flushes are idempotent (rows keyed by seq), so they may retry.
 FLUSH_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=5)
 
+#: Events kept in the workflow stream across continue-as-new.
+STREAM_ITEMS_CARRIED = 200
+
 #: Returned by a step whose turn a user interrupt aborted.
 ABORTED = object()
 
@@ -843,6 +846,15 @@ class TurnEngine:
             stream_state=stream_state,
         )
 
+    def _trim_stream(self) -> None:
+        """Keep only the last :data:`STREAM_ITEMS_CARRIED` events across
+        continue-as-new: the stream's log would otherwise travel whole in
+        every next run's input and grow it without bound. A watcher further
+        behind resumes from the oldest kept event."""
+        state = self._stream.get_state()
+        end = state.base_offset + len(state.log)
+        self._stream.truncate(max(state.base_offset, end - STREAM_ITEMS_CARRIED))
+
     def _should_continue_as_new(self) -> bool:
         info = workflow.info()
         return info.is_continue_as_new_suggested() or (
@@ -891,6 +903,8 @@ def _activity_failure_reason(err: BaseException) -> str:
     cause: BaseException | None = getattr(err, "cause", None)
     parts = []
     while cause is not None:
-        parts.append(str(getattr(cause, "message", cause)))
+        text = str(getattr(cause, "message", cause))
+        if text and text not in parts:  # a re-raised cause repeats its message
+            parts.append(text)
         cause = getattr(cause, "cause", None)
-    return "; ".join(p for p in parts if p) or str(err)
+    return "; ".join(parts) or str(err)

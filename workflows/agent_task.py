@@ -80,6 +80,7 @@ class AgentTask(TurnEngine):
             return
         self._continuing = True
         await self._flush()
+        self._trim_stream()
         inp = self._inp
         await self._stream.continue_as_new(
             lambda state: [inp.model_copy(update={"carry": self._carry(state)})]

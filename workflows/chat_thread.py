@@ -82,6 +82,7 @@ class ChatThread(TurnEngine):
             self._publish("turn_finished", text=outcome.reason)
             self._upsert("waiting")
             if self._should_continue_as_new() and not self._children_running():
+                self._trim_stream()
                 await self._stream.continue_as_new(
                     lambda state: [inp.model_copy(update={"carry": self._carry(state)})]
                 )
