@@ -94,6 +94,11 @@ def _persisted_refusal(inp: SampleInput, rows: list) -> SamplingResult | None:
 
 #: ApplicationError type of a provider failure (retryable or not).
 PROVIDER_ERROR_TYPE = "ProviderError"
+#: ApplicationError type of a response too large to record in history.
+RESPONSE_TOO_LARGE_TYPE = "ResponseTooLarge"
+#: Largest sampling result recorded in history (bytes of JSON); Temporal's
+#: payload limit is 2 MiB.
+MAX_RESULT_BYTES = 1_500_000
 #: ApplicationError type of a transcript that would be invalid for a provider.
 CONVERSATION_INVALID_TYPE = "ConversationInvalid"
 
@@ -189,6 +194,17 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             next_retry_delay=delay,
         ) from None
     result.attempt = info.attempt
+    size = len(result.model_dump_json())
+    if size > MAX_RESULT_BYTES:
+        # Temporal refuses payloads over 2 MiB and would retry the call
+        # forever, re-billing it each time: say so once, clearly.
+        raise ApplicationError(
+            f"{result.provider} response of {size} bytes (text and tool arguments) exceeds "
+            f"the {MAX_RESULT_BYTES}-byte limit of one model turn; ask for smaller steps",
+            {"attempt": info.attempt, "status": 200},
+            type=RESPONSE_TOO_LARGE_TYPE,
+            non_retryable=True,
+        )
     log.info(
         "sampled", provider=result.provider, model=result.model, stop_reason=result.stop_reason,
         tool_calls=len(result.tool_calls), attempt=info.attempt,

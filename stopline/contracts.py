@@ -406,6 +406,7 @@ class ThreadCarry(_Model):
     children: list[ChildInfo] = Field(default_factory=list)
     inbox: list[str] = Field(default_factory=list)
     runs: int = 1
+    notified: bool = False
     stream_state: WorkflowStreamState | None = None
 
 

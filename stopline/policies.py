@@ -188,6 +188,25 @@ def untriaged_calls(result: SamplingResult) -> dict[str, str]:
     return out
 
 
+def response_shape_problem(result: SamplingResult) -> str | None:
+    """Why a sampling result is malformed beyond what a tool result can fix.
+
+    Two tool calls with one id cannot each get exactly one result (DESIGN
+    §3): the response is an engine error (seed 002: "the data does not have
+    the expected shape"), decided before any of its calls runs.
+
+    Returns:
+        The problem in words, or ``None`` for a well-formed result.
+    """
+    ids = [c.id for c in result.tool_calls]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        return f"tool call ids repeat within one response: {dupes}"
+    if any(not c.id for c in result.tool_calls):
+        return "a tool call has an empty id"
+    return None
+
+
 def aborted_receipt(call: ToolCall, elapsed_s: float, output_so_far: str = "") -> str:
     """Text of the result for a tool call a user interrupt aborted (seed 002).
 

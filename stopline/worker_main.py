@@ -29,8 +29,31 @@ from stopline.settings import load_settings
 from stopline.telemetry import build_runtime
 
 
+def _undumpable() -> None:
+    """Make this process non-dumpable (Linux ``PR_SET_DUMPABLE`` 0).
+
+    Tool processes run as the worker's user; without this, a tool could read
+    the worker's environment — API keys included — from
+    ``/proc/<worker pid>/environ``. Non-dumpable processes' ``/proc`` files
+    belong to root, so this holds when the worker runs as a normal user (as
+    in ``docker-compose.yml``); a worker running as root cannot be shielded
+    from tools running as root.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except (OSError, AttributeError):
+        pass
+
+
 async def run_worker() -> None:
     """Run the workers until SIGTERM / SIGINT."""
+    _undumpable()
     settings = load_settings()
     configure_logging(settings)
     log = structlog.get_logger("stopline.worker")

@@ -263,3 +263,45 @@ def test_settings_read_from_environment(stopline_home: Path) -> None:
     assert s.home == stopline_home and s.ledger_dir == stopline_home / "ledger"
 
 
+
+
+async def test_malformed_turns_are_honest_outcomes(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    """Repeated call ids fail before any call runs; whitespace text is never
+    stored; an unknown stop reason is not reported as a finished answer."""
+    dup = scripted(scenario("anthropic", entry(anthropic_message(tool_calls=[
+        ("c1", "shell", {"command": "echo one >> dup.txt"}),
+        ("c1", "shell", {"command": "echo two >> dup.txt"}),
+    ]))))
+    r = await (await start_task(client, task_queue, dup, workspace)).result()
+    assert r.status == "failed" and "repeat" in r.reason and not (workspace / "dup.txt").exists()
+
+    ws_text = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message("   \n ", tool_calls=[("c1", "list_dir", {})])),
+        entry(anthropic_message("done")),
+    ))
+    h = await start_task(client, task_queue, ws_text, workspace)
+    assert (await h.result()).status == "completed"
+    rows = _ledger(stopline_home, h.id)
+    assert all((row.text or "").strip() or row.tool_calls for row in rows if row.kind == "assistant")
+    blocks = ws_text.requests()[1]["body"]["messages"][1]["content"]
+    assert all(b.get("type") != "text" for b in blocks)
+
+    paused = scripted(scenario("anthropic", entry(anthropic_message("partial", stop_reason="pause_turn"))))
+    r3 = await (await start_task(client, task_queue, paused, workspace)).result()
+    assert r3.status == "stopped" and "pause_turn" in r3.reason
+
+
+async def test_a_response_too_large_for_history_fails_once_clearly(
+    client: Client, task_queue: str, scripted: Any, workspace: Path
+) -> None:
+    big = "x" * 1_600_000
+    server = scripted(scenario("anthropic", entry(anthropic_message(
+        tool_calls=[("c1", "write_file", {"path": "big.txt", "content": big})]
+    ), repeat=3)))
+    r = await (await start_task(client, task_queue, server, workspace)).result()
+    assert r.status == "failed" and "exceeds" in r.reason and "limit" in r.reason
+    assert server.request_count() == 1 and r.provider_calls == 1
+    assert not (workspace / "big.txt").exists()

@@ -113,3 +113,10 @@ def test_cap_text_keeps_head_and_tail() -> None:
     capped = policies.cap_text(text, 200)
     assert capped.startswith("A" * 100) and capped.endswith("B" * 100) and "omitted" in capped
     assert policies.cap_text("short", 200) == "short"
+
+
+def test_response_with_repeated_call_ids_is_an_engine_error() -> None:
+    ok = SamplingResult(provider="p", model="m", tool_calls=[_call("a", args={}), _call("b", args={})])
+    assert policies.response_shape_problem(ok) is None
+    dup = SamplingResult(provider="p", model="m", tool_calls=[_call("a", args={}), _call("a", args={})])
+    assert "repeat" in (policies.response_shape_problem(dup) or "")

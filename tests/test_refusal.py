@@ -464,3 +464,27 @@ async def test_task_message_reaches_a_running_subtask_and_sync_waits_for_it(
     child_rows = _rows(stopline_home, child_id)
     assert any(r.kind == "user_message" and r.text == "also note X" for r in child_rows)
     assert "also note X" in json.dumps(child.requests()[-1]["body"])
+
+
+@pytest.mark.usefixtures("worker")
+async def test_task_stop_mid_tool_gives_every_call_one_result(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    server = scripted(scenario("anthropic", entry(anthropic_message(tool_calls=[
+        ("fast", "shell", {"command": "echo done-fast"}),
+        ("slow", "shell", {"command": "echo $$ > pid; sleep 100"}),
+    ]))))
+    handle = await _start(client, task_queue, server, workspace)
+    deadline = time.monotonic() + 20
+    while not (workspace / "pid").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    pgid = int((workspace / "pid").read_text())
+    await handle.cancel()
+    result = await handle.result()
+    assert result.status == "stopped" and "task_stop" in result.reason
+    rows = _rows(stopline_home, handle.id)
+    results = {r.call_id: r for r in rows if r.kind == "tool_result"}
+    assert set(results) == {"fast", "slow"} and results["slow"].meta.get("aborted")
+    assert rows[-1].kind == "turn_aborted"
+    assert not psutil.pid_exists(pgid) or psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE

@@ -717,3 +717,22 @@ async def test_apply_patch_deletes_and_reports_parse_errors(ws: Path, home: Path
     assert out.ok and not (ws / "old.txt").exists()
     out = await run_ok(call(ws, "apply_patch", {"patch": "not a diff"}))
     assert out.ok is False and "could not parse the patch" in out.text
+
+
+async def test_read_file_refuses_a_fifo_instead_of_blocking_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FIFO would block the event loop (every activity, every heartbeat)."""
+    import os as _os
+
+    from activities.tools import run_tool
+    from stopline.contracts import ToolCall, ToolCallInput
+
+    monkeypatch.setenv("STOPLINE_HOME", str(tmp_path / "home"))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    _os.mkfifo(ws / "f")
+    for name, args in (("read_file", {"path": "f"}),
+                       ("apply_patch", {"patch": "--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\n+b\n"})):
+        out = await asyncio.wait_for(run_tool(ToolCallInput(
+            task_id="t", call=ToolCall(id=f"c-{name}", name=name, arguments=args), workspace=str(ws),
+        )), 5)
+        assert out.ok is False and "not a regular file" in out.text, out

@@ -187,6 +187,9 @@ class TurnEngine:
         }
         self._runs = carry.runs if carry else 1
         self._continuing = False
+        self._notified = carry.notified if carry else False
+        self._inflight_sampling: Any = None
+        self._inflight_calls: list[_RunningCall] = []
 
     # ------------------------------------------------------------ the turn
 
@@ -203,7 +206,9 @@ class TurnEngine:
             self._n.rounds += 1
             self._publish("turn_started")
             sampling = self._start_sampling()
+            self._inflight_sampling = sampling
             await workflow.wait_condition(lambda: self._interrupt_pending or sampling.done())
+            self._inflight_sampling = None
             if self._interrupt_pending:
                 await self._abort_turn(sampling, [])
                 return None
@@ -220,18 +225,29 @@ class TurnEngine:
                 if end is None:
                     continue  # quarantined / switched: sample again
                 return end
+            problem = policies.response_shape_problem(result)
+            if problem is not None:
+                # an engine error: nothing of this response is stored or run
+                return End("failed", f"{result.provider} response: {problem}")
             self._accept_increments()
-            if result.text or result.tool_calls:
-                self._append("assistant", text=result.text, tool_calls=list(result.tool_calls))
-                if result.text:
-                    self._n.final_text = result.text
-                    self._turn_text = result.text
-                    self._publish("assistant_text", text=result.text)
+            text = result.text if result.text.strip() else ""  # never store an empty message
+            if text or result.tool_calls:
+                self._append("assistant", text=text, tool_calls=list(result.tool_calls))
+                if text:
+                    self._n.final_text = text
+                    self._turn_text = text
+                    self._publish("assistant_text", text=text)
             if not result.tool_calls:
                 if self._inbox:
                     continue  # a message arrived during the turn: answer it
                 if result.stop_reason == "max_tokens":
                     return End("stopped", "the model's output was cut off at max_tokens")
+                if result.stop_reason == "other":
+                    return End(
+                        "stopped",
+                        f"the model's turn ended with stop_reason {result.raw_stop_reason!r}, "
+                        f"not a finished answer",
+                    )
                 return End("completed", "the model ended its turn")
 
             blocked = policies.untriaged_calls(result)
@@ -321,6 +337,9 @@ class TurnEngine:
                 return self._stop_refused(result)
             case "stop_notify":
                 end = self._stop_refused(result)
+                if self._notified:
+                    return end  # one critical notification per episode, not per message
+                self._notified = True
                 self._append(
                     "notification",
                     model_visible=False,
@@ -357,6 +376,7 @@ class TurnEngine:
 
     def _accept_increments(self) -> None:
         """The provider accepted the request: its increments are accepted."""
+        self._notified = False
         self._accepted_upto = self._sampled_upto
         self._unaccepted = [s for s in self._unaccepted if s > self._sampled_upto]
 
@@ -383,6 +403,7 @@ class TurnEngine:
             self._n.last_tool_args = call.raw_arguments
             self._publish("tool_call_started", call_id=call.id, tool_name=call.name)
 
+        self._inflight_calls = running
         fatal: Fatal | None = None
         lost: list[str] = []
         while not all(r.settled for r in running):
@@ -412,6 +433,7 @@ class TurnEngine:
                         self._append_tool_result(
                             r.call, RespondToModel(text=f"engine error: {outcome.reason}", ok=False)
                         )
+        self._inflight_calls = []
         if lost:
             # A call lost with its worker may still be running on the host:
             # its process group goes before the model sees the receipt, so
@@ -693,6 +715,11 @@ class TurnEngine:
                 self._append_tool_result(r.call, outcome)
                 kept.append(r.call.id)
                 continue
+            if _lost(r.handle):
+                self._append_tool_result(r.call, self._tool_outcome(r))  # type: ignore[arg-type]
+                kept.append(r.call.id)
+                kill.append(r.call.id)
+                continue
             elapsed = (now - r.started_at).total_seconds()
             partial = outcome.text if isinstance(outcome, RespondToModel) else ""
             text = partial if partial.startswith("aborted by user") else (
@@ -711,6 +738,17 @@ class TurnEngine:
         self._publish("turn_aborted", text="turn aborted by user")
         self._interrupt_pending = False
         self._n.aborts_done += 1
+
+    async def _abort_inflight(self) -> None:
+        """Abort whatever the turn has in flight (a ``task_stop``): the same
+        path as an interrupt, so every call gets exactly one result."""
+        sampling = self._inflight_sampling
+        running = [r for r in self._inflight_calls if not r.settled]
+        if sampling is None and not running:
+            return
+        finished = [r.call.id for r in self._inflight_calls if r.settled]
+        self._inflight_sampling, self._inflight_calls = None, []
+        await self._abort_turn(sampling, running, finished)
 
     # ------------------------------------------------------------- ledger
 
@@ -843,6 +881,7 @@ class TurnEngine:
             children=[c.info for c in self._children.values()],
             inbox=list(self._inbox),
             runs=self._runs + 1,
+            notified=self._notified,
             stream_state=stream_state,
         )
 

@@ -64,7 +64,9 @@ class AgentTask(TurnEngine):
                 self._state = "running"
                 self._upsert("running")
         except asyncio.CancelledError:
-            # task_stop / workflow cancel: a stop, recorded like any other.
+            # task_stop / workflow cancel: a stop, recorded like any other —
+            # the turn in flight is aborted as an interrupt would abort it.
+            await self._abort_inflight()
             end = End("stopped", "stopped by task_stop")
         return await self._finish(end)
 

@@ -91,6 +91,9 @@ async def read_file(ctx: ToolContext, path: str, offset_line: int, max_lines: in
         return RespondToModel(ok=False, text=f"{path!r} is a directory; use list_dir")
     if not real.exists():
         return RespondToModel(ok=False, text=f"file {path!r} not found in the workspace")
+    if not real.is_file():
+        # a FIFO or device would block the worker's event loop on open/read
+        return RespondToModel(ok=False, text=f"{path!r} is not a regular file (a FIFO, socket or device)")
     limit = max_lines if max_lines is not None else DEFAULT_MAX_LINES
     budget = max(ctx.inp.output_cap_bytes - 256, 256)
     out: list[str] = []
@@ -99,7 +102,9 @@ async def read_file(ctx: ToolContext, path: str, offset_line: int, max_lines: in
     last = offset_line - 1
     seen = 0
     with open(real, "rb") as f:
-        for number, raw in enumerate(f, 1):
+        # readline is bounded: a multi-GB file without newlines is never
+        # pulled into memory whole
+        for number, raw in enumerate(iter(lambda: f.readline(budget + 1), b""), 1):
             seen = number
             if number < offset_line:
                 continue
@@ -205,6 +210,8 @@ async def apply_patch(ctx: ToolContext, patch: str) -> RespondToModel:
         target = real[name]
         if target.is_dir():
             raise PatchError(f"{name}: is a directory")
+        if target.exists() and not target.is_file():
+            raise PatchError(f"{name}: is not a regular file (a FIFO, socket or device)")
         try:
             return _decode(target.read_bytes())
         except FileNotFoundError:
