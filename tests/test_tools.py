@@ -353,6 +353,20 @@ async def test_grandchild_holding_pipe_cannot_hang(ws: Path, home: Path, reaper:
     assert out.ok and out.text.startswith("exit code 0") and "hi" in out.text
     gc_pid = int(gc.read_text())
     assert f"process(es) {gc_pid} left the command's process group" in out.text
+    # it held the call's output pipe, so it was the call's: gone too
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and _alive_not_zombie(gc_pid):
+        await asyncio.sleep(0.02)
+    assert not _alive_not_zombie(gc_pid)
+
+
+def _alive_not_zombie(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 async def test_huge_output_is_capped_and_stored(ws: Path, home: Path) -> None:

@@ -340,11 +340,17 @@ class _Foreground:
                 holders.update(pipe_holders(reader.fd))
                 reader.close()
         if held:
+            # A process holding the call's output pipe was spawned by the
+            # call (it inherited the pipe), even if it left the group with
+            # setsid: it goes too, so nothing of the call keeps writing
+            # (DESIGN §3). Background shells never hold a call's pipe.
+            for pid in holders:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
             who = ", ".join(str(p) for p in sorted(holders)) or "unknown"
             self.notes.append(
-                f"note: stopped reading output after {deadline_s:g}s: process(es) {who} "
-                "left the command's process group (e.g. setsid) and still hold its output "
-                "pipe; they were not stopped"
+                f"note: process(es) {who} left the command's process group (e.g. setsid) "
+                f"but still held its output pipe after {deadline_s:g}s; they were killed (SIGKILL)"
             )
 
     def _result(self, status: str, *, terminal: bool, aborted: bool = False) -> RespondToModel:
