@@ -440,17 +440,16 @@ class TaskLimits(_Model):
     tool_output_cap_bytes: int = 16_384
 
 
-class AgentTaskInput(_Model):
-    """Input of the ``AgentTask`` workflow.
+class ThreadInput(_Model):
+    """What every thread (task or chat) is started with.
 
     Attributes:
-        prompt: The user's task.
         model: ``provider:model``.
         workspace: Absolute workspace directory on the tool host.
         limits: See :class:`TaskLimits`.
         base_url: Provider base URL override (not a secret).
         host_task_queue: Task queue of the worker on the host holding the
-            workspace (tools and ledger writes run there).
+            workspace (tools, sampling and ledger writes run there).
         system: System prompt; a default is used when empty.
         stream: Stream sampling responses (SSE).
         route: ``chat`` | ``subagent`` (refusal disposition, seed 000 §2).
@@ -466,7 +465,6 @@ class AgentTaskInput(_Model):
         carry: State carried over continue-as-new; ``None`` on a fresh start.
     """
 
-    prompt: str
     model: str
     workspace: str
     limits: TaskLimits = Field(default_factory=TaskLimits)
@@ -481,6 +479,14 @@ class AgentTaskInput(_Model):
     quarantine_retries: int = 3
     reprobe_limit: int = 1
     carry: ThreadCarry | None = None
+
+
+class AgentTaskInput(ThreadInput):
+    """Input of the ``AgentTask`` workflow: a :class:`ThreadInput` and the
+    user's task (``prompt``). Route ``subagent``, scope ``worker`` by default:
+    a task (seed 000 §2)."""
+
+    prompt: str
 
 
 TaskStatusName = Literal["completed", "stopped", "failed"]
@@ -615,30 +621,20 @@ class TaskMessageInput(_Model):
     text: str
 
 
-class ChatThreadInput(_Model):
+class ChatThreadInput(ThreadInput):
     """Input of the ``ChatThread`` workflow (a long-lived conversation).
 
-    Attributes mirror :class:`AgentTaskInput`; a chat thread's route is
-    ``chat`` and its scope ``thread`` unless set otherwise (then refusal
-    disposition treats it as a task — seed 000 §2).
+    A chat thread's route is ``chat`` and its scope ``thread`` unless set
+    otherwise (then refusal disposition treats it as a task — seed 000 §2).
     """
 
-    model: str
-    workspace: str
-    limits: TaskLimits = Field(default_factory=TaskLimits)
-    base_url: str | None = None
-    host_task_queue: str = DEFAULT_TASK_QUEUE
-    system: str = ""
-    stream: bool = True
     route: Literal["chat", "subagent"] = "chat"
     execution_scope: Literal["thread", "worker"] = "thread"
     usage_source: str = "chat"
-    candidates: list[ModelCandidate] = Field(default_factory=list)
-    quarantine_retries: int = 3
-    reprobe_limit: int = 1
-    carry: ThreadCarry | None = None
 
 
 ChildInfo.model_rebuild()
 ThreadCarry.model_rebuild()
+ThreadInput.model_rebuild()
 AgentTaskInput.model_rebuild()
+ChatThreadInput.model_rebuild()
