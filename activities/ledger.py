@@ -28,7 +28,7 @@ from pathlib import Path
 from temporalio import activity
 
 from activities.tools._state import safe_component
-from stopline.contracts import LEDGER_FLUSH_ACTIVITY, LedgerFlushInput, LedgerRow
+from stopline.contracts import LEDGER_FLUSH_ACTIVITY, LedgerFlushInput, LedgerRow, ToolCall
 from stopline.settings import load_settings
 
 
@@ -139,6 +139,7 @@ class LedgerStore:
                 expected += 1
             if not new:
                 return 0
+            new = [self._unstage(task_id, r) for r in new]
             data = b"".join(r.model_dump_json().encode() + b"\n" for r in new)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -149,6 +150,55 @@ class LedgerStore:
             if last == 0:
                 _fsync_dir(path.parent)
             return len(new)
+
+    def stage(self, task_id: str, key: str, content: dict[str, object]) -> None:
+        """Keep a row's bulky content on this host until its row is appended.
+
+        The activity that produced it (a tool call's result text, a sampling
+        call's text and tool calls) stages it here; the workflow then sends
+        the row with ``meta["staged"] = key`` and no content, so the content
+        enters workflow history once — as the activity's result — not again
+        in the next activity's input (DESIGN §5). fsynced: a crash after the
+        activity reported must not lose what its row will need.
+
+        Args:
+            task_id: Task id.
+            key: ``call-<call id>`` or ``round-<n>``.
+            content: ``{"text": ...}`` and, for a sampling call,
+                ``{"tool_calls": [...]}``.
+        """
+        path = self._staged_path(task_id, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, json.dumps(content).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def _staged_path(self, task_id: str, key: str) -> Path:
+        return self.path(task_id).parent / "staged" / f"{safe_component(key)}.json"
+
+    def _unstage(self, task_id: str, row: LedgerRow) -> LedgerRow:
+        """Fill a staged row's content from its staging file."""
+        key = row.meta.get("staged")
+        if not key:
+            return row
+        path = self._staged_path(task_id, str(key))
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise LedgerCorrupt(
+                f"row {row.seq} of {task_id}: staged content {key!r} is missing on this host "
+                f"({err}); STOPLINE_HOME must be the one the task's activities use"
+            ) from None
+        meta = {k: v for k, v in row.meta.items() if k != "staged"}
+        update: dict[str, object] = {"text": content.get("text"), "meta": meta}
+        if "tool_calls" in content:
+            update["tool_calls"] = [ToolCall.model_validate(c) for c in content["tool_calls"]]
+        return row.model_copy(update=update)
 
     def _last_seq_repairing(self, path: Path) -> int:
         """Last complete seq; a torn (unterminated) tail is cut off first.

@@ -205,6 +205,11 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             type=RESPONSE_TOO_LARGE_TYPE,
             non_retryable=True,
         )
+    store.stage(
+        inp.task_id,
+        f"round-{inp.round}",
+        {"text": result.text, "tool_calls": [c.model_dump() for c in result.tool_calls]},
+    )
     log.info(
         "sampled", provider=result.provider, model=result.model, stop_reason=result.stop_reason,
         tool_calls=len(result.tool_calls), attempt=info.attempt,

@@ -174,3 +174,28 @@ async def test_json_logs_bind_task_round_and_tool(
     assert tool["task_id"] == handle.id and tool["round"] == 1 and tool["tool"] == "shell"
     sampled = [x for x in lines if x["event"] == "sampled"]
     assert [x["round"] for x in sampled] == [1, 2] and all(x["task_id"] == handle.id for x in sampled)
+
+
+@pytest.mark.usefixtures("worker")
+async def test_each_row_enters_history_once(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    """A tool's output and the model's text are in history once (as the
+    activity's result), not again in the next activity's input (DESIGN §5)."""
+    server = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message("SAID-ONCE-7f1c", tool_calls=[("c1", "shell", {"command": "echo OUT-ONCE-$((90+3))ab"})])),
+        entry(anthropic_message(tool_calls=[("c2", "list_dir", {})])),
+        entry(anthropic_message("done")),
+    ))
+    handle = await start_task(client, task_queue, server, workspace)
+    assert (await handle.result()).status == "completed"
+    history = await handle.fetch_history()
+    raw = b"".join(e.SerializeToString() for e in history.events)
+    assert raw.count(b"OUT-ONCE-93ab") == 1
+    assert raw.count(b"SAID-ONCE-7f1c") == 1
+    # and the ledger file still holds the whole rows
+    rows = LedgerStore(stopline_home / "ledger").read(handle.id)
+    assert any("OUT-ONCE-93ab" in (r.text or "") for r in rows if r.kind == "tool_result")
+    assert any(r.text == "SAID-ONCE-7f1c" for r in rows if r.kind == "assistant")
+    assert all("staged" not in r.meta for r in rows)

@@ -188,6 +188,7 @@ class TurnEngine:
         self._runs = carry.runs if carry else 1
         self._continuing = False
         self._notified = carry.notified if carry else False
+        self._staged: dict[int, str] = {}  # seq -> staging key (DESIGN §5)
         self._inflight_sampling: Any = None
         self._inflight_calls: list[_RunningCall] = []
 
@@ -232,7 +233,9 @@ class TurnEngine:
             self._accept_increments()
             text = result.text if result.text.strip() else ""  # never store an empty message
             if text or result.tool_calls:
-                self._append("assistant", text=text, tool_calls=list(result.tool_calls))
+                row = self._append("assistant", text=text, tool_calls=list(result.tool_calls))
+                if text == result.text:  # exactly what the sampling activity staged
+                    self._staged[row.seq] = f"round-{self._n.rounds}"
                 if text:
                     self._n.final_text = text
                     self._turn_text = text
@@ -427,7 +430,7 @@ class TurnEngine:
                     lost.append(r.call.id)
                 match outcome:
                     case RespondToModel():
-                        self._append_tool_result(r.call, outcome)
+                        self._append_tool_result(r.call, outcome, staged=not _lost(r.handle))
                     case Fatal():
                         fatal = fatal or outcome
                         self._append_tool_result(
@@ -712,7 +715,7 @@ class TurnEngine:
         for r in running:
             outcome = _settled_outcome(r.handle)
             if isinstance(outcome, RespondToModel) and outcome.terminal:
-                self._append_tool_result(r.call, outcome)
+                self._append_tool_result(r.call, outcome, staged=True)
                 kept.append(r.call.id)
                 continue
             if _lost(r.handle):
@@ -728,6 +731,7 @@ class TurnEngine:
             self._append_tool_result(
                 r.call,
                 RespondToModel(text=text, ok=True, terminal=False, aborted=True, elapsed_s=elapsed),
+                staged=bool(partial) and text == partial,
             )
             aborted.append(r.call.id)
             kill.append(r.call.id)
@@ -786,13 +790,20 @@ class TurnEngine:
         self._rows.append(row)
         return row
 
-    def _append_tool_result(self, call: ToolCall, outcome: RespondToModel) -> None:
+    def _append_tool_result(self, call: ToolCall, outcome: RespondToModel, *, staged: bool = False) -> None:
+        """Append a tool result row.
+
+        ``staged``: the text is exactly what the tool activity returned (and
+        staged on the host), so the row travels to the ledger file by
+        reference, not again as content (DESIGN §5). Sub-task tools run in
+        the workflow and stage nothing.
+        """
         meta: dict[str, Any] = {"elapsed_s": round(outcome.elapsed_s, 3)}
         if outcome.aborted:
             meta["aborted"] = True
         if outcome.output_ref:
             meta["output_ref"] = outcome.output_ref
-        self._append(
+        row = self._append(
             "tool_result",
             text=outcome.text,
             call_id=call.id,
@@ -800,6 +811,8 @@ class TurnEngine:
             ok=outcome.ok,
             meta=meta,
         )
+        if staged and call.name not in TASK_TOOL_NAMES:
+            self._staged[row.seq] = f"call-{call.id}"
         self._n.last_tool_outcome = outcome.text
         if outcome.ok and call.name in ("write_file", "apply_patch") and call.arguments:
             self._n.changed_paths.extend(_written_paths(call))
@@ -809,7 +822,21 @@ class TurnEngine:
         )
 
     def _pending_rows(self) -> list[LedgerRow]:
-        return [r for r in self._rows if r.seq > self._flushed_seq]
+        """Rows not yet in the ledger file, as the flushing activity gets them:
+        a staged row without its content (the host has it), the rest whole."""
+        self._staged = {k: v for k, v in self._staged.items() if k > self._flushed_seq}
+        out = []
+        for r in self._rows:
+            if r.seq <= self._flushed_seq:
+                continue
+            key = self._staged.get(r.seq)
+            if key is None:
+                out.append(r)
+            else:
+                out.append(r.model_copy(update={
+                    "text": None, "tool_calls": [], "meta": {**r.meta, "staged": key},
+                }))
+        return out
 
     def _drain_inbox(self) -> None:
         for kind, text in self._increments_inbox:

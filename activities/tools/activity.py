@@ -57,6 +57,11 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
         task_id=inp.task_id, round=inp.round, tool=inp.call.name, call_id=inp.call.id
     ):
         outcome = await _run(inp)
+        if isinstance(outcome, RespondToModel):
+            # the row's text enters history once: here (DESIGN §5)
+            from activities.ledger import default_store  # ledger imports tools: import late
+
+            default_store().stage(inp.task_id, f"call-{inp.call.id}", {"text": outcome.text})
         match outcome:
             case RespondToModel():
                 log.info("tool_call", ok=outcome.ok, aborted=outcome.aborted, elapsed_s=outcome.elapsed_s)
