@@ -314,3 +314,39 @@ async def test_interrupted_history_replays_deterministically(
     assert server.request_count() == 2  # replay called no provider
 
 
+
+
+async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace(
+    client: Client, scripted: Any, workspace: Path, stopline_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The irreversible step: a worker whose heartbeats are throttled (the
+    cancel does not reach the tool in time) still gets the turn aborted —
+    the workflow stops waiting at the grace timer, the flush kills the group."""
+    from stopline.runtime import build_workers
+    from stopline.settings import load_settings
+
+    monkeypatch.setenv("STOPLINE_HEARTBEAT_THROTTLE_S", "30")
+    queue = f"slow-{uuid.uuid4().hex[:8]}"
+    workers = build_workers(client, load_settings(), task_queue=queue, host_task_queue=queue)
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    try:
+        server = scripted(scenario(
+            "anthropic",
+            entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
+        ))
+        handle = await start_task(client, queue, server, workspace, heartbeat_timeout_s=60)
+        pgid = int(await _wait_for(workspace / "pid"))
+        await asyncio.sleep(0.3)
+        res, took = await _interrupt(handle)
+        assert res.interrupted and res.aborted_calls == ["c1"]
+        assert took < 3.0, took  # the grace timer (sub-second timers fire after ~1 s), not the tool
+        assert _group_alive(pgid) == []
+        rows = _rows(stopline_home, handle.id)
+        assert rows[-1].kind == "turn_aborted"
+        assert next(r for r in rows if r.call_id == "c1").text.startswith("aborted by user")
+        await handle.terminate()
+    finally:
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        for r in runs:
+            r.cancel()

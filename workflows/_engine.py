@@ -947,7 +947,7 @@ def _written_paths(call: ToolCall) -> list[str]:
 
 def _lost(handle: Any) -> bool:
     """Whether a finished tool activity failed without reporting (lost)."""
-    if handle.cancelled():
+    if not handle.done() or handle.cancelled():
         return False
     return isinstance(handle.exception(), ActivityError)
 
