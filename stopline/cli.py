@@ -667,7 +667,7 @@ def _task_closed_probe(settings: Settings, task_id: str, address: str | None) ->
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from stopline.worker_main import main as worker_main
 
-    worker_main()
+    worker_main([])
     return 0
 
 

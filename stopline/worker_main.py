@@ -91,12 +91,22 @@ async def run_worker() -> None:
     log.info("worker_stopped")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Entry point. Exits without interpreter finalization, which the
     Temporal SDK's native threads can abort ("PyGILState_Release")."""
     import os
     import sys
 
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="worker.py",
+        description=(
+            "Run a stopline worker: workflows on $STOPLINE_TASK_QUEUE, tools, sampling and "
+            "ledger writes on this host's queue. Against $TEMPORAL_ADDRESS, or the embedded "
+            "dev server when unset. Configuration: environment (see README, Configuration)."
+        ),
+    ).parse_args(argv)
     code = 0
     try:
         asyncio.run(run_worker())
