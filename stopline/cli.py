@@ -589,6 +589,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
             client = await _client(settings, address)
             thread_id = args.thread or f"chat-{uuid.uuid4().hex[:8]}"
             if not args.thread:
+                _check_model(args.model, settings)
                 model, base_url = args.model, None
                 if model.startswith("scripted:"):
                     model, base_url = _start_scripted(
@@ -767,7 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stopline",
         description="Durable LLM agent tasks on Temporal: every way a turn ends is recorded.",
         epilog="Exit codes of run/demo/wait: 0 completed, 1 failed, 3 stopped, 2 usage error, "
-        "130 detached by a second Ctrl-C.",
+        "4 wait timed out with a task still running, 130 detached by a second Ctrl-C.",
     )
     p.add_argument("--home", help="state directory (default $STOPLINE_HOME or ~/.stopline)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -875,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     from stopline.logging import configure_logging
 
     configure_logging(settings)
+    from temporalio.client import WorkflowFailureError
     from temporalio.service import RPCError
 
     try:
@@ -885,6 +887,9 @@ def main(argv: list[str] | None = None) -> int:
     except RPCError as e:  # unknown task id, a closed workflow, no server
         err_console.print(f"[red]error:[/red] {e.message}")
         return 2
+    except WorkflowFailureError as e:  # e.g. a thread cancelled before it could record it
+        err_console.print(f"[red]error:[/red] the workflow ended without a result: {e.cause or e}")
+        return 1
     except (ValueError, FileNotFoundError) as e:  # a bad scenario/history file, model ref
         err_console.print(f"[red]error:[/red] {e}")
         return 2

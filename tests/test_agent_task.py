@@ -245,7 +245,10 @@ async def test_cli_run_json_against_running_worker(
     assert last["status"] == "completed" and last["refused"] is False and last["rounds"] == 2
     assert set(last) == {"task_id", "status", "refused", "reason", "rounds", "provider_calls"}
     rows = _ledger(stopline_home, last["task_id"])
-    assert rows[-1].kind == "assistant" and rows[-1].text == "all done"
+    assert rows[-2].kind == "assistant" and rows[-2].text == "all done"
+    # the ending itself is the last row (hidden from the model)
+    assert rows[-1].kind == "system" and rows[-1].meta["outcome"] == "completed"
+    assert rows[-1].model_visible is False
     # the scripted server the CLI started is gone (stopped by its PID)
     pid_file = stopline_home / "run" / f"scripted-{last['task_id']}.pid"
     assert not pid_file.exists()

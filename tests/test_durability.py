@@ -177,7 +177,7 @@ async def test_kill_9_mid_sampling_retries_the_call_and_loses_no_row(
     rows_before = [LedgerRow.model_validate_json(ln) for ln in before.splitlines()]
     assert [r.kind for r in rows_before] == ["prompt", "assistant", "tool_result"]
     assert [r.kind for r in rows] == [
-        "prompt", "assistant", "tool_result", "assistant", "tool_result", "assistant",
+        "prompt", "assistant", "tool_result", "assistant", "tool_result", "assistant", "system",
     ]
     assert len(_tool_results(rows, "c1")) == 1 and len(_tool_results(rows, "c2")) == 1
     assert not any("must never be stored" in (r.text or "") for r in rows)

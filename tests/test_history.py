@@ -71,7 +71,8 @@ async def test_long_task_continues_as_new_carrying_the_ledger(
     rows = LedgerStore(stopline_home / "ledger").read(handle.id)
     assert [r.seq for r in rows] == list(range(1, len(rows) + 1))
     assert [r.kind for r in rows].count("tool_result") == rounds - 1
-    assert rows[0].kind == "prompt" and rows[-1].text == "finished"
+    assert rows[0].kind == "prompt" and rows[-2].text == "finished"
+    assert rows[-1].meta["outcome"] == "completed"
     # the last request still held the whole conversation (read from the ledger, by reference)
     last_body = server.requests()[-1]["body"]
     assert len(last_body["messages"]) == 2 * (rounds - 1) + 1

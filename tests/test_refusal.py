@@ -486,5 +486,32 @@ async def test_task_stop_mid_tool_gives_every_call_one_result(
     rows = _rows(stopline_home, handle.id)
     results = {r.call_id: r for r in rows if r.kind == "tool_result"}
     assert set(results) == {"fast", "slow"} and results["slow"].meta.get("aborted")
-    assert rows[-1].kind == "turn_aborted"
+    assert rows[-2].kind == "turn_aborted"
+    assert rows[-1].kind == "system" and rows[-1].meta["outcome"] == "stopped"
     assert not psutil.pid_exists(pgid) or psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.usefixtures("worker")
+async def test_stopping_a_chat_thread_is_a_recorded_ending(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    server = scripted(scenario("anthropic", entry(anthropic_message(tool_calls=[
+        ("c1", "shell", {"command": "echo $$ > pid; sleep 100"}),
+    ]))))
+    thread_id = f"chat-{uuid.uuid4().hex[:8]}"
+    handle = await client.start_workflow(
+        "ChatThread",
+        ChatThreadInput(model=_model(server), base_url=server.url, workspace=str(workspace),
+                        host_task_queue=task_queue),
+        id=thread_id, task_queue=task_queue, result_type=AgentTaskResult,
+    )
+    await handle.execute_update("message", "start something long")
+    deadline = time.monotonic() + 20
+    while not (workspace / "pid").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await handle.cancel()
+    result = await handle.result()
+    assert result.status == "stopped"
+    rows = _rows(stopline_home, thread_id)
+    assert next(r for r in rows if r.call_id == "c1").meta.get("aborted")
+    assert rows[-1].kind == "system" and rows[-1].meta["outcome"] == "stopped"

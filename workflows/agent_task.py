@@ -90,6 +90,8 @@ class AgentTask(TurnEngine):
 
     async def _finish(self, end: End) -> AgentTaskResult:
         self._state = "finishing"
+        self._append("system", model_visible=False, text=f"task {end.status}: {end.reason}",
+                     meta={"outcome": end.status, "refused": end.refused})
         # A normal finish closes unattended background shells; a refused (or
         # otherwise stopped) task leaves the scene as it is (seed 000 §3).
         await self._flush(close_shells=end.status == "completed")

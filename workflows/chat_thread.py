@@ -15,6 +15,8 @@ event count), carrying the ledger by reference.
 
 from __future__ import annotations
 
+import asyncio
+
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
 
@@ -62,15 +64,42 @@ class ChatThread(TurnEngine):
         """Serve turns until ``close``; continue-as-new when history grows."""
         self._state = "waiting"
         self._upsert("waiting")
+        status, reason = "completed", "thread closed"
+        try:
+            await self._serve(inp)
+        except asyncio.CancelledError:
+            # `stopline stop` / workflow cancel: abort the turn in flight the
+            # way an interrupt would, then end as stopped, recorded.
+            await self._abort_inflight()
+            status, reason = "stopped", "thread stopped"
+        self._append("system", model_visible=False, text=f"thread {status}: {reason}",
+                     meta={"outcome": status})
+        await self._flush()
+        self._state = status
+        self._result = AgentTaskResult(
+            task_id=workflow.info().workflow_id,
+            status=status,  # type: ignore[arg-type]
+            reason=reason,
+            rounds=self._n.rounds,
+            final_text=self._n.final_text,
+            provider_calls=self._n.provider_calls,
+        )
+        self._upsert(status)
+        self._publish("task_finished", text=reason, result=self._result)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return self._result
+
+    async def _serve(self, inp: ChatThreadInput) -> None:
+        """One turn per user message until ``close``; every turn's ending is
+        a ledger row (hidden from the model) and a ``turn_finished`` event."""
         while True:
             await workflow.wait_condition(lambda: bool(self._inbox) or self._closing)
             if self._closing and not self._inbox:
-                break
+                return
             self._state = "running"
             self._upsert("running")
             end = await self._run_turn()
             self._state = "waiting"
-            await self._flush()
             outcome = TurnOutcome(
                 status=end.status if end else "interrupted",
                 reason=end.reason if end else "interrupted by user",
@@ -78,6 +107,10 @@ class ChatThread(TurnEngine):
                 final_text=self._turn_text,
                 turn=len(self._turns) + 1,
             )
+            self._append("system", model_visible=False,
+                         text=f"turn {outcome.turn} {outcome.status}: {outcome.reason}",
+                         meta={"outcome": outcome.status, "turn": outcome.turn})
+            await self._flush()
             self._turns.append(outcome)
             self._publish("turn_finished", text=outcome.reason)
             self._upsert("waiting")
@@ -86,20 +119,6 @@ class ChatThread(TurnEngine):
                 await self._stream.continue_as_new(
                     lambda state: [inp.model_copy(update={"carry": self._carry(state)})]
                 )
-        await self._flush()
-        self._state = "completed"
-        self._result = AgentTaskResult(
-            task_id=workflow.info().workflow_id,
-            status="completed",
-            reason="thread closed",
-            rounds=self._n.rounds,
-            final_text=self._n.final_text,
-            provider_calls=self._n.provider_calls,
-        )
-        self._upsert("completed")
-        self._publish("task_finished", text="thread closed", result=self._result)
-        await workflow.wait_condition(workflow.all_handlers_finished)
-        return self._result
 
     def _upsert(self, status: str) -> None:
         workflow.upsert_search_attributes(
