@@ -329,6 +329,7 @@ async def _send_interrupt(handle: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline up`: start the embedded dev server and a background worker."""
     from stopline import runtime
 
     if settings.temporal_address:
@@ -341,6 +342,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline down`: stop what `up` (or a detached run or chat) started, by PID."""
     from stopline import runtime
 
     stopped_worker = runtime.background_worker(settings).stop()
@@ -374,6 +376,7 @@ def _limits(args: argparse.Namespace) -> TaskLimits:
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline run`: start a task, follow its events, print the result."""
     return asyncio.run(_run_task(
         settings, prompt=args.prompt, model=args.model, workspace=Path(args.workspace),
         limits=_limits(args), detach=args.detach, as_json=args.json,
@@ -381,6 +384,7 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline demo`: run the bundled demo task on a copy of the sample workspace."""
     data = resources.files("stopline.data") / "demo"
     work = Path(tempfile.mkdtemp(prefix="stopline-demo-"))
     with resources.as_file(data / "workspace") as src:
@@ -410,6 +414,7 @@ async def _handle(settings: Settings, task_id: str) -> tuple[Any, Any]:
 
 
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline status`: the task's state, refusal and result (the ``status`` Query)."""
     async def go() -> int:
         _, handle = await _handle(settings, args.id)
         desc = await handle.describe()
@@ -441,6 +446,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline transcript`: print the task's ledger file."""
     from activities.ledger import LedgerStore
 
     rows: list[LedgerRow] = LedgerStore(settings.ledger_dir).read(args.id)
@@ -494,6 +500,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline interrupt`: send the ``interrupt`` Update (aborts the current turn only)."""
     async def go() -> int:
         _, handle = await _handle(settings, args.id)
         res = await handle.execute_update("interrupt", result_type=InterruptResult)
@@ -507,6 +514,7 @@ def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_message(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline message`: task_message — refused for a task a refusal stopped."""
     from activities.ledger import LedgerStore
     from activities.tasks import TaskNotContinuable, send_task_message
 
@@ -628,6 +636,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_scripted_server(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline scripted-server`: serve a scenario until signalled or the task closes."""
     from stopline.scripted import serve
 
     exit_when = None
@@ -666,6 +675,7 @@ def _task_closed_probe(settings: Settings, task_id: str, address: str | None) ->
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline worker`: run a worker in the foreground."""
     from stopline.worker_main import main as worker_main
 
     worker_main([])
