@@ -233,11 +233,6 @@ class LedgerStore:
                     out.append(LedgerRow.model_validate_json(raw))
         return out
 
-    def blob_dir(self, task_id: str) -> Path:
-        """Directory of a task's large outputs."""
-        return self.path(task_id).parent / "blobs"
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -249,11 +244,6 @@ def _fsync_dir(path: Path) -> None:
 def default_store() -> LedgerStore:
     """The store under ``$STOPLINE_HOME/ledger``."""
     return LedgerStore(load_settings().ledger_dir)
-
-
-def dump_rows_jsonl(rows: list[LedgerRow]) -> str:
-    """Rows as JSONL text (one object per line), as the ledger file holds them."""
-    return "".join(json.dumps(r.model_dump(mode="json")) + "\n" for r in rows)
 
 
 @activity.defn(name=LEDGER_FLUSH_ACTIVITY)

@@ -139,11 +139,12 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     info = activity.info()
     store = default_store()
     store.append(inp.task_id, inp.pending_rows)
-    persisted = _persisted_refusal(inp, store.read(inp.task_id))
+    all_rows = store.read(inp.task_id)
+    persisted = _persisted_refusal(inp, all_rows)
     if persisted is not None:
         persisted.attempt = 0  # no provider call was made
         return persisted
-    rows = store.read(inp.task_id, upto_seq=inp.upto_seq)
+    rows = [r for r in all_rows if r.seq <= inp.upto_seq]
     messages = rows_to_messages(rows)
     try:
         validate_conversation(messages)

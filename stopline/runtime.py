@@ -26,9 +26,10 @@ from temporalio.worker import Worker
 
 from stopline.settings import Settings
 
-#: Graceful shutdown granted to in-flight activities on SIGTERM (seconds);
+#: Default graceful shutdown for in-flight activities on SIGTERM (seconds; the
+#: setting STOPLINE_WORKER_SHUTDOWN_GRACE_S is the one place it is defined);
 #: shorter than a container's usual 30 s termination grace.
-WORKER_SHUTDOWN_GRACE_S = 10.0
+WORKER_SHUTDOWN_GRACE_S: float = Settings.model_fields["worker_shutdown_grace_s"].default
 
 
 async def connect(

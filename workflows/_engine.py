@@ -958,9 +958,7 @@ def _settled_outcome(handle: Any) -> RespondToModel | Fatal | None:
         return None
     try:
         return handle.result()
-    except (ActivityError, asyncio.CancelledError):
-        return None
-    except Exception:
+    except Exception:  # failed (lost, or a sub-task tool raised): no value to keep
         return None
 
 
