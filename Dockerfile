@@ -1,4 +1,4 @@
-# The stopline worker image: `python worker.py` against $TEMPORAL_ADDRESS.
+# The stopline worker image: `stopline-worker` against $TEMPORAL_ADDRESS.
 #
 #   docker build -t stopline-worker .                          # plain
 #   docker build --build-arg EXTRAS='[otel]' -t stopline-worker .   # with tracing
@@ -22,10 +22,8 @@ ENV PYTHONUNBUFFERED=1 \
     STOPLINE_LOG_FORMAT=json
 
 WORKDIR /app
-COPY pyproject.toml README.md worker.py ./
+COPY pyproject.toml README.md ./
 COPY stopline ./stopline
-COPY workflows ./workflows
-COPY activities ./activities
 ARG EXTRAS=""
 RUN pip install ".${EXTRAS}"
 
@@ -36,6 +34,6 @@ RUN useradd --create-home --uid "${UID}" stopline \
 USER stopline
 
 # SIGTERM starts a graceful shutdown (WORKER_SHUTDOWN_GRACE_S in
-# stopline/runtime.py); give the container longer than that to stop.
+# stopline/worker/runtime.py); give the container longer than that to stop.
 STOPSIGNAL SIGTERM
-CMD ["python", "worker.py"]
+CMD ["stopline-worker"]

@@ -4,7 +4,7 @@ Against ``TEMPORAL_ADDRESS`` when set, else the embedded dev server (started
 if needed). See ``stopline/worker_main.py``.
 """
 
-from stopline.worker_main import main
+from stopline.worker.main import main
 
 if __name__ == "__main__":
     main()

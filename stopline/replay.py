@@ -19,7 +19,7 @@ so either can be replayed. The JSON does not hold the workflow id;
 :func:`load_history` takes it from the file name unless told.
 
 With ``STOPLINE_CODEC_KEY`` set, payloads in the history are encrypted; the
-replayer uses :func:`stopline.codec.data_converter`, so the same key must be
+replayer uses :func:`stopline.worker.codec.data_converter`, so the same key must be
 set to replay.
 """
 
@@ -122,10 +122,10 @@ def default_workflows() -> list[type]:
     replayable the day it is added. The Replayer picks the class by the
     history's workflow type.
     """
-    import workflows
+    import stopline.workflows as workflows
 
     found: dict[str, type] = {}
-    for info in pkgutil.iter_modules(workflows.__path__, prefix="workflows."):
+    for info in pkgutil.iter_modules(workflows.__path__, prefix="stopline.workflows."):
         module = importlib.import_module(info.name)
         for value in vars(module).values():
             if isinstance(value, type) and value.__module__ == module.__name__ and hasattr(

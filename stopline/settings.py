@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from stopline.contracts import DEFAULT_TASK_QUEUE
+from stopline.core.contracts import DEFAULT_TASK_QUEUE
 
 
 class Settings(BaseSettings):

@@ -1,6 +1,6 @@
 """Run a real stopline worker in a subprocess, for crash and shutdown tests.
 
-The worker is ``python -m stopline.worker_main`` in its own session, with
+The worker is ``python -m stopline.worker.main`` in its own session, with
 ``TEMPORAL_ADDRESS`` pointing at the test session's dev server,
 ``STOPLINE_HOME`` at the test's home and both task queues set to the test's
 fresh queue. It is stopped by its own PID only (never by name): ``kill()``
@@ -73,7 +73,7 @@ class WorkerProc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "stopline.worker_main"],
+                [sys.executable, "-m", "stopline.worker.main"],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

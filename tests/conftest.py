@@ -24,10 +24,10 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from stopline import search_attributes
-from stopline.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
-from stopline.runtime import build_workers, temporal_binary
-from stopline.scripted import ScriptedServer
+from stopline.core import search_attributes
+from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
+from stopline.worker.runtime import build_workers, temporal_binary
+from stopline.testing.scripted import ScriptedServer
 from stopline.settings import load_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def scripted() -> Iterator[Any]:
 
 def provider_for(server: ScriptedServer) -> str:
     """The ``provider:model`` ref that talks to a scripted server's wire."""
-    from activities.providers.registry import WIRE_TO_PROVIDER
+    from stopline.activities.providers.registry import WIRE_TO_PROVIDER
 
     return f"{WIRE_TO_PROVIDER[server.wire]}:scripted"
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
-from activities.ledger import LedgerStore
-from stopline.contracts import LedgerRow
-from stopline.scripted import anthropic_message, entry, openai_chat_completion, scenario
+from stopline.activities.ledger import LedgerStore
+from stopline.core.contracts import LedgerRow
+from stopline.testing.scripted import anthropic_message, entry, openai_chat_completion, scenario
 from stopline.settings import load_settings
 from tests.conftest import start_task
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stopline.runtime import free_port, port_open
-from stopline.scripted import anthropic_message, entry, scenario
+from stopline.worker.runtime import free_port, port_open
+from stopline.testing.scripted import anthropic_message, entry, scenario
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: P
     import signal
     import time
 
-    from stopline.refusal import NOT_CONTINUABLE, NOT_FORWARDED
+    from stopline.core.refusal import NOT_CONTINUABLE, NOT_FORWARDED
 
     ws = tmp_path / "ws"
     ws.mkdir()

@@ -24,9 +24,9 @@ import pytest
 import pytest_asyncio
 from temporalio.client import Client
 
-from activities.ledger import LedgerStore
-from stopline.contracts import AgentTaskResult, LedgerRow
-from stopline.scripted import anthropic_message, entry, scenario
+from stopline.activities.ledger import LedgerStore
+from stopline.core.contracts import AgentTaskResult, LedgerRow
+from stopline.testing.scripted import anthropic_message, entry, scenario
 from tests._worker_proc import Workers
 from tests.conftest import start_task
 

@@ -20,10 +20,10 @@ import pytest
 import structlog
 from temporalio.client import Client
 
-from activities.ledger import LedgerStore
-from stopline.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
-from stopline.runtime import build_workers
-from stopline.scripted import anthropic_message, entry, scenario
+from stopline.activities.ledger import LedgerStore
+from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
+from stopline.worker.runtime import build_workers
+from stopline.testing.scripted import anthropic_message, entry, scenario
 from stopline.settings import load_settings
 from tests.conftest import start_task
 

@@ -18,13 +18,13 @@ from temporalio.client import Client
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.worker import Replayer
 
-from activities.ledger import LedgerStore
-from activities.tools.shell import shell_id_for
-from stopline import policies
-from stopline.contracts import EVENTS_TOPIC, InterruptResult, LedgerRow, TaskEvent, TaskStatus
-from stopline.scripted import anthropic_message, entry, scenario
+from stopline.activities.ledger import LedgerStore
+from stopline.activities.tools.shell import shell_id_for
+from stopline.core import policies
+from stopline.core.contracts import EVENTS_TOPIC, InterruptResult, LedgerRow, TaskEvent, TaskStatus
+from stopline.testing.scripted import anthropic_message, entry, scenario
 from tests.conftest import start_task
-from workflows.agent_task import AgentTask
+from stopline.workflows.agent_task import AgentTask
 
 pytestmark = pytest.mark.usefixtures("worker")
 
@@ -323,7 +323,7 @@ async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace
     """The irreversible step: a worker whose heartbeats are throttled (the
     cancel does not reach the tool in time) still gets the turn aborted —
     the workflow stops waiting at the grace timer, the flush kills the group."""
-    from stopline.runtime import build_workers
+    from stopline.worker.runtime import build_workers
     from stopline.settings import load_settings
 
     monkeypatch.setenv("STOPLINE_HEARTBEAT_THROTTLE_S", "30")

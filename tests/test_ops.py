@@ -25,8 +25,9 @@ from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from stopline import runtime, search_attributes
-from stopline.codec import (
+from stopline.core import search_attributes
+from stopline.worker import runtime
+from stopline.worker.codec import (
     ENCODING,
     KEY_ID_METADATA,
     CodecKeyError,
@@ -36,11 +37,11 @@ from stopline.codec import (
     key_id,
     parse_key,
 )
-from stopline.contracts import AgentTaskResult
-from stopline.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers, connect, free_port
-from stopline.scripted import anthropic_message, entry, scenario
+from stopline.core.contracts import AgentTaskResult
+from stopline.worker.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers, connect, free_port
+from stopline.testing.scripted import anthropic_message, entry, scenario
 from stopline.settings import load_settings
-from stopline.telemetry import build_runtime, tracing_interceptors
+from stopline.worker.telemetry import build_runtime, tracing_interceptors
 from tests.conftest import start_task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -252,7 +253,7 @@ def test_tracing_interceptor_when_asked_and_available(monkeypatch: pytest.Monkey
 async def test_worker_serves_prometheus_metrics(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path, tmp_path: Path
 ) -> None:
-    """``python -m stopline.worker_main`` with STOPLINE_METRICS_BIND: after one
+    """``python -m stopline.worker.main`` with STOPLINE_METRICS_BIND: after one
     task, ``/metrics`` has the SDK's ``temporal_`` metrics; SIGTERM stops it."""
     port = free_port()
     env = dict(os.environ)
@@ -269,7 +270,7 @@ async def test_worker_serves_prometheus_metrics(
     log_path = tmp_path / "worker.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stopline.worker_main"], cwd=REPO, env=env,
+            [sys.executable, "-m", "stopline.worker.main"], cwd=REPO, env=env,
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     try:
@@ -446,6 +447,6 @@ def test_compose_file_has_the_stack_and_a_long_enough_stop_grace() -> None:
 def test_dockerfile_runs_the_worker() -> None:
     text = (REPO / "Dockerfile").read_text()
     assert text.startswith("# ") and "FROM python:3.11-slim" in text
-    assert 'CMD ["python", "worker.py"]' in text
+    assert 'CMD ["stopline-worker"]' in text
     ignore = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignore and ".git" in ignore

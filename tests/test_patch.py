@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from activities.tools.patch import (
+from stopline.activities.tools.patch import (
     HunkMismatch,
     PatchConflict,
     PatchError,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from stopline import policies
-from stopline.contracts import LedgerRow, SamplingResult, ToolCall, ToolResultPart, ToolUsePart
+from stopline.core import policies
+from stopline.core.contracts import LedgerRow, SamplingResult, ToolCall, ToolResultPart, ToolUsePart
 
 
 def _call(cid: str, name: str = "shell", args: dict | None = None, parse_error: str | None = None) -> ToolCall:
@@ -54,7 +54,7 @@ def test_validator_rejects_missing_and_duplicate_results() -> None:
 
 
 def test_validator_rejects_orphan_result_and_empty_assistant() -> None:
-    from stopline.contracts import Message, TextPart
+    from stopline.core.contracts import Message, TextPart
 
     orphan = [Message(role="user", parts=[ToolResultPart(call_id="zz", text="x")])]
     with pytest.raises(policies.ConversationInvalid):

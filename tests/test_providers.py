@@ -19,12 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
-from activities.providers.anthropic import AnthropicAdapter
-from activities.providers.base import ProviderAdapter, ProviderError, tool_call_from_raw
-from activities.providers.openai_chat import OpenAIChatAdapter
-from activities.providers.openai_responses import OpenAIResponsesAdapter
-from activities.providers.registry import WIRE_TO_PROVIDER, get_adapter, parse_model_ref
-from stopline.contracts import (
+from stopline.activities.providers.anthropic import AnthropicAdapter
+from stopline.activities.providers.base import ProviderAdapter, ProviderError, tool_call_from_raw
+from stopline.activities.providers.openai_chat import OpenAIChatAdapter
+from stopline.activities.providers.openai_responses import OpenAIResponsesAdapter
+from stopline.activities.providers.registry import WIRE_TO_PROVIDER, get_adapter, parse_model_ref
+from stopline.core.contracts import (
     Message,
     SamplingResult,
     TextPart,
@@ -33,7 +33,7 @@ from stopline.contracts import (
     ToolSpec,
     ToolUsePart,
 )
-from stopline.scripted import (
+from stopline.testing.scripted import (
     ScriptedServer,
     anthropic_message,
     entry,

@@ -23,10 +23,10 @@ from temporalio.client import Client
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.worker import Replayer
 
-from activities.ledger import LedgerStore
-from activities.providers.registry import WIRE_TO_PROVIDER
-from activities.tasks import TaskNotContinuable, send_task_message
-from stopline.contracts import (
+from stopline.activities.ledger import LedgerStore
+from stopline.activities.providers.registry import WIRE_TO_PROVIDER
+from stopline.activities.tasks import TaskNotContinuable, send_task_message
+from stopline.core.contracts import (
     EVENTS_TOPIC,
     AgentTaskInput,
     AgentTaskResult,
@@ -37,10 +37,10 @@ from stopline.contracts import (
     TaskLimits,
     TaskStatus,
 )
-from stopline.refusal import NOT_CONTINUABLE, NOT_FORWARDED, QUARANTINE_PLACEHOLDER
-from stopline.scripted import anthropic_message, entry, scenario
-from workflows.agent_task import AgentTask
-from workflows.chat_thread import ChatThread, TurnOutcome
+from stopline.core.refusal import NOT_CONTINUABLE, NOT_FORWARDED, QUARANTINE_PLACEHOLDER
+from stopline.testing.scripted import anthropic_message, entry, scenario
+from stopline.workflows.agent_task import AgentTask
+from stopline.workflows.chat_thread import ChatThread, TurnOutcome
 
 TRIGGER = "TRIGGER-7731-exploit-payload"
 
@@ -315,7 +315,7 @@ async def test_task_message_to_refused_task_fails_with_the_sentence(
 async def test_task_message_after_a_worker_restart_fails_with_zero_model_calls(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
 ) -> None:
-    from stopline.runtime import build_workers
+    from stopline.worker.runtime import build_workers
     from stopline.settings import load_settings
 
     server = scripted(scenario("anthropic", _refusal()))
@@ -361,7 +361,7 @@ async def test_refused_history_replays_without_calling_a_provider(
 async def test_reset_of_a_refused_task_makes_no_model_call(
     client: Client, task_queue: str, scripted: Any, workspace: Path, temporal_env: Any,
 ) -> None:
-    from stopline.runtime import temporal_binary
+    from stopline.worker.runtime import temporal_binary
 
     server = scripted(scenario("anthropic", _refusal()))
     handle = await _start(client, task_queue, server, workspace)
@@ -402,7 +402,7 @@ async def test_persisted_refusal_is_recovered_as_cancelled_after_worker_kill(
 
     def spawn() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-m", "stopline.worker_main"], env=env, start_new_session=True,
+            [sys.executable, "-m", "stopline.worker.main"], env=env, start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
 

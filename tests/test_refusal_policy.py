@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from stopline import refusal
-from stopline.refusal import Disposition, RefusalStop, disposition, thread_kind
+from stopline.core import refusal
+from stopline.core.refusal import Disposition, RefusalStop, disposition, thread_kind
 
 TRIGGER = "TRIGGER-7731-exploit-payload"
 

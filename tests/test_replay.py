@@ -25,7 +25,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import UnsandboxedWorkflowRunner
 
 from stopline.replay import default_workflows, diverged_event_id, load_history, replay
-from stopline.scripted import anthropic_message, entry, scenario
+from stopline.testing.scripted import anthropic_message, entry, scenario
 from tests.conftest import start_task
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from stopline.scripted import (
+from stopline.testing.scripted import (
     ScriptedServer,
     anthropic_message,
     entry,

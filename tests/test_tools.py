@@ -22,8 +22,8 @@ import psutil
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-import activities.tools as tools
-from activities.tools import (
+import stopline.activities.tools as tools
+from stopline.activities.tools import (
     TOOL_SPECS,
     OutsideWorkspace,
     close_unattended_shells,
@@ -32,9 +32,9 @@ from activities.tools import (
     run_tool,
     tool_activity,
 )
-from activities.tools.procs import group_members
-from activities.tools.registry import TOOLS
-from stopline.contracts import RespondToModel, ToolCall, ToolCallInput
+from stopline.activities.tools.procs import group_members
+from stopline.activities.tools.registry import TOOLS
+from stopline.core.contracts import RespondToModel, ToolCall, ToolCallInput
 
 TASK = "task/one"  # a '/' on purpose: ids are mapped to safe file names
 
@@ -737,8 +737,8 @@ async def test_read_file_refuses_a_fifo_instead_of_blocking_the_worker(tmp_path:
     """A FIFO would block the event loop (every activity, every heartbeat)."""
     import os as _os
 
-    from activities.tools import run_tool
-    from stopline.contracts import ToolCall, ToolCallInput
+    from stopline.activities.tools import run_tool
+    from stopline.core.contracts import ToolCall, ToolCallInput
 
     monkeypatch.setenv("STOPLINE_HOME", str(tmp_path / "home"))
     ws = tmp_path / "ws"

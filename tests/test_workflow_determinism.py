@@ -1,7 +1,8 @@
 """Workflow code is deterministic: no I/O modules, clocks or randomness.
 
-Scans ``workflows/`` source (AST, not grep, so comments and strings do not
-count) for forbidden imports and calls.
+Scans ``stopline/workflows/`` and the pure core ``stopline/core/`` (both run
+inside the workflow sandbox) — AST, not grep, so comments and strings do not
+count — for forbidden imports and calls.
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from pathlib import Path
 
 import pytest
 
-WORKFLOWS = Path(__file__).resolve().parent.parent / "workflows"
+PACKAGE = Path(__file__).resolve().parent.parent / "stopline"
+SCANNED = (PACKAGE / "workflows", PACKAGE / "core")
 FORBIDDEN_MODULES = {"httpx", "os", "time", "random", "socket", "subprocess", "requests", "threading"}
 FORBIDDEN_CALLS = {("datetime", "now"), ("datetime", "utcnow"), ("date", "today"), ("uuid", "uuid4")}
 
 
 def _files() -> list[Path]:
-    return sorted(WORKFLOWS.rglob("*.py"))
+    return sorted(p for d in SCANNED for p in d.rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", _files(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _files(), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_workflow_module_has_no_nondeterministic_imports_or_calls(path: Path) -> None:
     tree = ast.parse(path.read_text(), filename=str(path))
     problems: list[str] = []
@@ -43,7 +45,8 @@ def test_workflow_module_has_no_nondeterministic_imports_or_calls(path: Path) ->
 
 
 def test_scan_finds_workflow_files() -> None:
-    assert any(p.name == "agent_task.py" for p in _files())
+    names = {p.name for p in _files()}
+    assert {"agent_task.py", "contracts.py", "policies.py", "refusal.py"} <= names
 
 
 def test_scanner_catches_a_forbidden_call(tmp_path: Path) -> None:

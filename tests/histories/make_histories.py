@@ -46,11 +46,11 @@ from temporalio.client import Client, WorkflowHandle  # noqa: E402
 from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: E402
 from temporalio.testing import WorkflowEnvironment  # noqa: E402
 
-from stopline.contracts import InterruptResult, TaskStatus  # noqa: E402
+from stopline.core.contracts import InterruptResult, TaskStatus  # noqa: E402
 from stopline.replay import replay  # noqa: E402
-from stopline.runtime import build_workers, temporal_binary  # noqa: E402
-from stopline.scripted import ScriptedServer, anthropic_message, entry, scenario  # noqa: E402
-from stopline.search_attributes import ALL as SEARCH_ATTRIBUTES  # noqa: E402
+from stopline.worker.runtime import build_workers, temporal_binary  # noqa: E402
+from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario  # noqa: E402
+from stopline.core.search_attributes import ALL as SEARCH_ATTRIBUTES  # noqa: E402
 from stopline.settings import load_settings  # noqa: E402
 from tests.conftest import start_task  # noqa: E402
 

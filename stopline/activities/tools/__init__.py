@@ -17,7 +17,7 @@ process behind (DESIGN §3). Modules, one concern each:
 - :mod:`.activity` — :func:`tool_activity`.
 
 Nothing here may be imported by workflow code (it does I/O); workflows
-reach the activity by its name, ``stopline.contracts.TOOL_ACTIVITY``.
+reach the activity by its name, ``stopline.core.contracts.TOOL_ACTIVITY``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The worker process: ``python worker.py`` / ``python -m stopline.worker_main``.
+"""The worker process: ``python worker.py`` / ``python -m stopline.worker.main``.
 
 Runs the workflow worker and the host-bound activity worker against
 ``TEMPORAL_ADDRESS``, or against the embedded dev server when it is unset
@@ -12,7 +12,7 @@ it was aborted because the worker shut down and may have partly run; a
 sampling call is retried on the next worker (DESIGN §5).
 
 With ``STOPLINE_METRICS_BIND`` set the worker serves the SDK's metrics for
-Prometheus there (``stopline.telemetry``).
+Prometheus there (``stopline.worker.telemetry``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import signal
 
 import structlog
 
-from stopline.codec import codec_from_settings
+from stopline.worker.codec import codec_from_settings
 from stopline.logging import configure_logging
-from stopline.runtime import build_workers, connect, dev_server, start_dev_server
+from stopline.worker.runtime import build_workers, connect, dev_server, start_dev_server
 from stopline.settings import load_settings
-from stopline.telemetry import build_runtime
+from stopline.worker.telemetry import build_runtime
 
 
 def _undumpable() -> None:

@@ -1,9 +1,9 @@
 """The provider adapter interface and the one error type adapters raise.
 
-An adapter turns provider-neutral :class:`~stopline.contracts.Message` lists
+An adapter turns provider-neutral :class:`~stopline.core.contracts.Message` lists
 into one provider's wire format, sends it over httpx (streaming SSE where the
 provider offers it), and parses the answer into a
-:class:`~stopline.contracts.SamplingResult`. It never retries: Temporal owns
+:class:`~stopline.core.contracts.SamplingResult`. It never retries: Temporal owns
 retries (STYLE: "the provider client built with retries off").
 
 Errors are classified in exactly one function per provider
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import httpx
 import httpx_sse
 
-from stopline.contracts import Message, SamplingResult, ToolCall, ToolSpec
+from stopline.core.contracts import Message, SamplingResult, ToolCall, ToolSpec
 
 
 class ProviderError(Exception):

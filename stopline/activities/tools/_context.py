@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stopline.contracts import ToolCallInput
+from stopline.core.contracts import ToolCallInput
 from stopline.settings import Settings
 
 

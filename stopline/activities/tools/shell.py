@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stopline.contracts import RespondToModel
+from stopline.core.contracts import RespondToModel
 from stopline.settings import Settings, load_settings
 
 from ._context import ToolContext

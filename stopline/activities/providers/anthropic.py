@@ -1,7 +1,7 @@
 """Anthropic Messages API adapter (``POST {base_url}/v1/messages``).
 
 Why it exists: the sampling activity speaks provider-neutral
-:class:`~stopline.contracts.Message` lists; this module is the one place that
+:class:`~stopline.core.contracts.Message` lists; this module is the one place that
 knows Anthropic's wire format — request shape, the JSON answer, the SSE event
 sequence, its error bodies and its refusal signal.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from activities.providers.base import (
+from stopline.activities.providers.base import (
     ProviderError,
     error_body_message,
     is_retryable_status,
@@ -34,7 +34,7 @@ from activities.providers.base import (
     shape_error,
     tool_call_from_raw,
 )
-from stopline.contracts import (
+from stopline.core.contracts import (
     Message,
     Refusal,
     SamplingResult,

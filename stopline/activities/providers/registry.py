@@ -11,15 +11,15 @@ fallback here.
 
 from __future__ import annotations
 
-from activities.providers.anthropic import AnthropicAdapter
-from activities.providers.base import ProviderAdapter
-from activities.providers.openai_chat import OpenAIChatAdapter
-from activities.providers.openai_responses import OpenAIResponsesAdapter
+from stopline.activities.providers.anthropic import AnthropicAdapter
+from stopline.activities.providers.base import ProviderAdapter
+from stopline.activities.providers.openai_chat import OpenAIChatAdapter
+from stopline.activities.providers.openai_responses import OpenAIResponsesAdapter
 
 #: Provider ids a model reference may name.
 PROVIDERS: tuple[str, ...] = ("anthropic", "openai", "openai-compat", "openai-responses")
 
-#: The scripted server's wire names (``stopline.scripted.WIRES``) → the
+#: The scripted server's wire names (``stopline.testing.scripted.WIRES``) → the
 #: provider id whose adapter speaks that wire.
 WIRE_TO_PROVIDER: dict[str, str] = {
     "anthropic": "anthropic",

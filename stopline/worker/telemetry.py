@@ -6,7 +6,7 @@ for Prometheus at ``http://$STOPLINE_METRICS_BIND/metrics`` by the worker.
 They come from the SDK's Rust core through a :class:`temporalio.runtime.
 Runtime` built with a ``PrometheusConfig``; a runtime owns a thread pool and
 its HTTP listener, so the worker process builds exactly one
-(:func:`build_runtime`) and hands it to ``stopline.runtime.connect``. CLI
+(:func:`build_runtime`) and hands it to ``stopline.worker.runtime.connect``. CLI
 commands never bind the port: two processes cannot share it.
 
 Tracing: with ``STOPLINE_OTEL=1`` and the ``otel`` extra installed, every
@@ -30,7 +30,7 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 from stopline.settings import Settings
 
-log = structlog.get_logger("stopline.telemetry")
+log = structlog.get_logger("stopline.worker.telemetry")
 
 #: OpenTelemetry service name of stopline's spans.
 SERVICE_NAME = "stopline"

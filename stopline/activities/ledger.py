@@ -27,8 +27,8 @@ from pathlib import Path
 
 from temporalio import activity
 
-from activities.tools._state import safe_component
-from stopline.contracts import LEDGER_FLUSH_ACTIVITY, LedgerFlushInput, LedgerRow, ToolCall
+from stopline.activities.tools._state import safe_component
+from stopline.core.contracts import LEDGER_FLUSH_ACTIVITY, LedgerFlushInput, LedgerRow, ToolCall
 from stopline.settings import load_settings
 
 
@@ -264,7 +264,7 @@ async def ledger_flush(inp: LedgerFlushInput) -> int:
     Raises:
         LedgerCorrupt: On a seq gap (non-retryable by nature; a bug).
     """
-    from activities.tools import close_unattended_shells, kill_call_groups
+    from stopline.activities.tools import close_unattended_shells, kill_call_groups
 
     if inp.kill_calls:
         kill_call_groups(inp.task_id, inp.kill_calls)

@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from activities.providers import openai_chat
-from activities.providers.base import (
+from stopline.activities.providers import openai_chat
+from stopline.activities.providers.base import (
     ProviderError,
     load_json_event,
     send_request,
@@ -35,8 +35,8 @@ from activities.providers.base import (
     tool_call_from_raw,
     truncate,
 )
-from activities.providers.openai_chat import CONTENT_FILTER, request_headers
-from stopline.contracts import (
+from stopline.activities.providers.openai_chat import CONTENT_FILTER, request_headers
+from stopline.core.contracts import (
     Message,
     Refusal,
     SamplingResult,

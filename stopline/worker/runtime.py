@@ -41,15 +41,15 @@ async def connect(
     """Connect a client with stopline's data converter and interceptors.
 
     The data converter is pydantic, plus the payload-encryption codec when
-    ``STOPLINE_CODEC_KEY`` is set (``stopline.codec``); the interceptors add
+    ``STOPLINE_CODEC_KEY`` is set (``stopline.worker.codec``); the interceptors add
     OpenTelemetry tracing when ``STOPLINE_OTEL`` is on
-    (``stopline.telemetry``). Workers built on the client inherit both.
+    (``stopline.worker.telemetry``). Workers built on the client inherit both.
 
     Args:
         settings: Settings (address, namespace, codec key, tracing).
         address: Overrides ``settings.temporal_address``.
         runtime: A Temporal runtime, e.g. one serving Prometheus metrics
-            (``stopline.telemetry.build_runtime``); default: the SDK's.
+            (``stopline.worker.telemetry.build_runtime``); default: the SDK's.
 
     Returns:
         The client.
@@ -58,8 +58,8 @@ async def connect(
         RuntimeError: If no address is known (start the embedded server
             first: ``stopline up``).
     """
-    from stopline.codec import data_converter
-    from stopline.telemetry import tracing_interceptors
+    from stopline.worker.codec import data_converter
+    from stopline.worker.telemetry import tracing_interceptors
 
     target = address or settings.temporal_address
     if not target:
@@ -99,12 +99,12 @@ def build_workers(
     Returns:
         One or two workers, not yet running.
     """
-    from activities.ledger import ledger_flush
-    from activities.sampling import sample
-    from activities.tasks import task_message
-    from activities.tools import tool_activity
-    from workflows.agent_task import AgentTask
-    from workflows.chat_thread import ChatThread
+    from stopline.activities.ledger import ledger_flush
+    from stopline.activities.sampling import sample
+    from stopline.activities.tasks import task_message
+    from stopline.activities.tools import tool_activity
+    from stopline.workflows.agent_task import AgentTask
+    from stopline.workflows.chat_thread import ChatThread
 
     tq = task_queue or settings.task_queue
     hq = host_task_queue or settings.resolved_host_task_queue()
@@ -308,7 +308,7 @@ def _search_attribute_flags() -> list[str]:
     already has, so a server upgraded to a stopline with new attributes
     gains them on its next start.
     """
-    from stopline.search_attributes import dev_server_flags
+    from stopline.core.search_attributes import dev_server_flags
 
     return dev_server_flags()
 
@@ -343,4 +343,4 @@ def start_background_worker(settings: Settings, address: str) -> int:
     env["STOPLINE_HOME"] = str(settings.home)
     env["STOPLINE_TASK_QUEUE"] = settings.task_queue
     env["STOPLINE_HOST_TASK_QUEUE"] = settings.resolved_host_task_queue()
-    return _spawn(managed, [sys.executable, "-m", "stopline.worker_main"], env=env)
+    return _spawn(managed, [sys.executable, "-m", "stopline.worker.main"], env=env)

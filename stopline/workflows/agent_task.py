@@ -15,11 +15,11 @@ import asyncio
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
 
-from workflows._engine import End, TurnEngine
+from stopline.workflows._engine import End, TurnEngine
 
 with workflow.unsafe.imports_passed_through():
-    from stopline import refusal
-    from stopline.contracts import (
+    from stopline.core import refusal
+    from stopline.core.contracts import (
         AGENT_TASK_WORKFLOW,
         AgentTaskInput,
         AgentTaskResult,
@@ -28,7 +28,7 @@ with workflow.unsafe.imports_passed_through():
         MessageAck,
         TaskStatus,
     )
-    from stopline.search_attributes import updates as search_attribute_updates
+    from stopline.core.search_attributes import updates as search_attribute_updates
 
 
 @workflow.defn(name=AGENT_TASK_WORKFLOW)

@@ -20,12 +20,12 @@ import asyncio
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
 
-from workflows._engine import TurnEngine
+from stopline.workflows._engine import TurnEngine
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from stopline.contracts import (
+    from stopline.core.contracts import (
         CHAT_THREAD_WORKFLOW,
         AgentTaskResult,
         ChatThreadInput,
@@ -34,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
         MessageAck,
         TaskStatus,
     )
-    from stopline.search_attributes import updates as search_attribute_updates
+    from stopline.core.search_attributes import updates as search_attribute_updates
 
 
 class TurnOutcome(BaseModel):

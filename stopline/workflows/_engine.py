@@ -42,8 +42,8 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from stopline import policies, refusal
-    from stopline.contracts import (
+    from stopline.core import policies, refusal
+    from stopline.core.contracts import (
         AGENT_TASK_WORKFLOW,
         EVENTS_TOPIC,
         LEDGER_FLUSH_ACTIVITY,
@@ -72,7 +72,7 @@ with workflow.unsafe.imports_passed_through():
         ToolCallInput,
         ToolOutcome,
     )
-    from stopline.task_tools import (
+    from stopline.core.task_tools import (
         TASK_TOOL_NAMES,
         TaskIdArgs,
         TaskMessageArgs,

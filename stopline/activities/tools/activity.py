@@ -30,8 +30,8 @@ import time
 import structlog
 from temporalio import activity
 
-from activities._heartbeat import heartbeating
-from stopline.contracts import TOOL_ACTIVITY, Fatal, RespondToModel, ToolCallInput
+from stopline.activities._heartbeat import heartbeating
+from stopline.core.contracts import TOOL_ACTIVITY, Fatal, RespondToModel, ToolCallInput
 
 from ._context import CallProgress
 from .procs import uncancel_current_task
@@ -59,7 +59,7 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
         outcome = await _run(inp)
         if isinstance(outcome, RespondToModel):
             # the row's text enters history once: here (DESIGN §5)
-            from activities.ledger import default_store  # ledger imports tools: import late
+            from stopline.activities.ledger import default_store  # ledger imports tools: import late
 
             default_store().stage(inp.task_id, f"call-{inp.call.id}", {"text": outcome.text})
         match outcome:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stopline.contracts import ToolSpec
+from stopline.core.contracts import ToolSpec
 
 TASK_TOOL_NAMES = frozenset({"task_start", "task_wait", "task_stop", "task_status", "task_message"})
 

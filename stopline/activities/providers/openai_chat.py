@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from activities.providers.base import (
+from stopline.activities.providers.base import (
     ProviderError,
     error_body_message,
     is_retryable_status,
@@ -38,7 +38,7 @@ from activities.providers.base import (
     tool_call_from_raw,
     truncate,
 )
-from stopline.contracts import (
+from stopline.core.contracts import (
     Message,
     Refusal,
     SamplingResult,

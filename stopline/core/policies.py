@@ -16,7 +16,7 @@ sandbox.
 
 from __future__ import annotations
 
-from stopline.contracts import (
+from stopline.core.contracts import (
     LedgerRow,
     Message,
     SamplingResult,
@@ -48,7 +48,7 @@ def rows_to_messages(rows: list[LedgerRow]) -> list[Message]:
     Returns:
         Messages alternating user / assistant.
     """
-    from stopline.refusal import QUARANTINE_PLACEHOLDER
+    from stopline.core.refusal import QUARANTINE_PLACEHOLDER
 
     messages: list[Message] = []
     pending_results: list[ToolResultPart] = []

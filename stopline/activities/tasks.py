@@ -13,9 +13,9 @@ from temporalio import activity
 from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from activities.ledger import LedgerStore, default_store
-from stopline.contracts import TASK_MESSAGE_ACTIVITY, MessageAck, RespondToModel, TaskMessageInput
-from stopline.refusal import NOT_CONTINUABLE
+from stopline.activities.ledger import LedgerStore, default_store
+from stopline.core.contracts import TASK_MESSAGE_ACTIVITY, MessageAck, RespondToModel, TaskMessageInput
+from stopline.core.refusal import NOT_CONTINUABLE
 
 
 class TaskNotContinuable(Exception):

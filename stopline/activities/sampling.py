@@ -26,12 +26,12 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities._heartbeat import heartbeating
-from activities.ledger import default_store
-from activities.providers.base import ProviderError
-from activities.providers.registry import get_adapter, parse_model_ref
-from stopline.contracts import SAMPLE_ACTIVITY, Refusal, SampleInput, SamplingResult
-from stopline.policies import ConversationInvalid, rows_to_messages, validate_conversation
+from stopline.activities._heartbeat import heartbeating
+from stopline.activities.ledger import default_store
+from stopline.activities.providers.base import ProviderError
+from stopline.activities.providers.registry import get_adapter, parse_model_ref
+from stopline.core.contracts import SAMPLE_ACTIVITY, Refusal, SampleInput, SamplingResult
+from stopline.core.policies import ConversationInvalid, rows_to_messages, validate_conversation
 from stopline.settings import Settings, load_settings
 
 log = structlog.get_logger("stopline.sampling")
@@ -61,8 +61,8 @@ def _tools_for(inp: SampleInput) -> list:
         return list(inp.tools)
     if inp.toolset == "none":
         return []
-    from activities.tools import TOOL_SPECS
-    from stopline.task_tools import TASK_TOOL_SPECS
+    from stopline.activities.tools import TOOL_SPECS
+    from stopline.core.task_tools import TASK_TOOL_SPECS
 
     if inp.toolset == "workspace+tasks":
         return [*TOOL_SPECS, *TASK_TOOL_SPECS]

@@ -2,5 +2,5 @@
 
 Activities are thin adapters; the workflow decides. Nothing here is imported
 by workflow code except through activity *names* (see
-``stopline.contracts``).
+``stopline.core.contracts``).
 """

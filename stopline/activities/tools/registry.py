@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from stopline.contracts import Fatal, RespondToModel, ToolCallInput, ToolSpec
+from stopline.core.contracts import Fatal, RespondToModel, ToolCallInput, ToolSpec
 from stopline.settings import Settings, load_settings
 
 from . import files, shell

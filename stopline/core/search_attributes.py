@@ -6,7 +6,7 @@ upserts these keys (``workflow.upsert_search_attributes``) as a task moves;
 the server must know them first, or the upsert fails the workflow task:
 
 - embedded dev server: ``temporal server start-dev --search-attribute
-  KEY=TYPE`` (:func:`dev_server_flags`, used by ``stopline.runtime``);
+  KEY=TYPE`` (:func:`dev_server_flags`, used by ``stopline.worker.runtime``);
 - test dev server: ``WorkflowEnvironment.start_local(search_attributes=ALL)``;
 - a real cluster: ``stopline search-attributes register`` (:func:`register`,
   idempotent), or ``temporal operator search-attribute create`` (README).
@@ -29,7 +29,7 @@ from temporalio.common import (
 if TYPE_CHECKING:
     from temporalio.client import Client
 
-#: The task's state as :class:`stopline.contracts.TaskStatus` names it
+#: The task's state as :class:`stopline.core.contracts.TaskStatus` names it
 #: (``running``, ``waiting``, ``completed``, ``failed``, ``stopped``).
 STATUS: SearchAttributeKey[str] = SearchAttributeKey.for_keyword("StoplineStatus")
 #: ``True`` once a provider refused (DESIGN §4): the task stopped on it.

@@ -22,7 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from stopline.contracts import RespondToModel
+from stopline.core.contracts import RespondToModel
 
 from ._context import ToolContext
 from .capture import clip_text
