@@ -51,6 +51,7 @@ from stopline.core.contracts import (
     TaskLimits,
     TaskStatus,
 )
+from stopline.core.errors import StoplineError
 from stopline.settings import Settings, load_settings
 
 console = Console(highlight=False, soft_wrap=True)
@@ -59,7 +60,7 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 EXIT_CODES = {"completed": 0, "failed": 1, "stopped": 3}
 
 
-class UsageError(Exception):
+class UsageError(StoplineError):
     """A command-line or set-up problem; printed, exit code 2."""
 
 
@@ -711,8 +712,8 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     from temporalio.runtime import Runtime, TelemetryConfig
     from temporalio.service import RPCError
 
-    from stopline.worker.codec import data_converter
     from stopline.replay import fetch_history, load_history, replay
+    from stopline.worker.codec import data_converter
 
     async def go() -> int:
         target = Path(args.target)

@@ -28,11 +28,17 @@ from pathlib import Path
 from temporalio import activity
 
 from stopline.activities.tools._state import safe_component
-from stopline.core.contracts import LEDGER_FLUSH_ACTIVITY, LedgerFlushInput, LedgerRow, ToolCall
+from stopline.core.contracts import (
+    LEDGER_FLUSH_ACTIVITY,
+    LedgerFlushInput,
+    LedgerRow,
+    ToolCall,
+)
+from stopline.core.errors import StoplineError
 from stopline.settings import load_settings
 
 
-class LedgerCorrupt(RuntimeError):
+class LedgerCorrupt(StoplineError, RuntimeError):
     """The ledger file does not continue where the workflow expects (a gap)."""
 
 

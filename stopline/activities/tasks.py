@@ -14,11 +14,17 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from stopline.activities.ledger import LedgerStore, default_store
-from stopline.core.contracts import TASK_MESSAGE_ACTIVITY, MessageAck, RespondToModel, TaskMessageInput
+from stopline.core.contracts import (
+    TASK_MESSAGE_ACTIVITY,
+    MessageAck,
+    RespondToModel,
+    TaskMessageInput,
+)
+from stopline.core.errors import StoplineError
 from stopline.core.refusal import NOT_CONTINUABLE
 
 
-class TaskNotContinuable(Exception):
+class TaskNotContinuable(StoplineError):
     """The task cannot take a message (refused, ended, or unknown)."""
 
 

@@ -25,9 +25,10 @@ from stopline.core.contracts import (
     ToolResultPart,
     ToolUsePart,
 )
+from stopline.core.errors import StoplineError
 
 
-class ConversationInvalid(ValueError):
+class ConversationInvalid(StoplineError, ValueError):
     """The transcript would be rejected by a provider (or lies to the model)."""
 
 

@@ -26,6 +26,8 @@ from temporalio.common import (
     SearchAttributeUpdate,
 )
 
+from stopline.core.errors import StoplineError
+
 if TYPE_CHECKING:
     from temporalio.client import Client
 
@@ -43,7 +45,7 @@ MODEL: SearchAttributeKey[str] = SearchAttributeKey.for_keyword("StoplineModel")
 ALL: tuple[SearchAttributeKey, ...] = (STATUS, REFUSED, KIND, MODEL)
 
 
-class SearchAttributeTypeConflict(RuntimeError):
+class SearchAttributeTypeConflict(StoplineError, RuntimeError):
     """A stopline attribute name is registered with another type.
 
     Not fixable by retrying: the attribute must be removed (or the

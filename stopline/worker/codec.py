@@ -43,6 +43,7 @@ from temporalio.converter import (
     PayloadCodec,
 )
 
+from stopline.core.errors import ConfigError
 from stopline.settings import Settings
 
 #: ``encoding`` metadata of an encrypted payload.
@@ -59,7 +60,7 @@ KEYGEN_HINT = (
 )
 
 
-class CodecKeyError(ValueError):
+class CodecKeyError(ConfigError):
     """A codec key is malformed, or a payload's key is not available."""
 
 

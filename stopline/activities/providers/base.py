@@ -23,9 +23,10 @@ import httpx
 import httpx_sse
 
 from stopline.core.contracts import Message, SamplingResult, ToolCall, ToolSpec
+from stopline.core.errors import StoplineError
 
 
-class ProviderError(Exception):
+class ProviderError(StoplineError):
     """A provider call failed.
 
     Attributes:

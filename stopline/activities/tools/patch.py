@@ -29,6 +29,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from stopline.core.errors import ToolError
+
 __all__ = [
     "FilePatch",
     "Hunk",
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 
-class PatchError(ValueError):
+class PatchError(ToolError):
     """Root of every reason a patch cannot be applied.
 
     ::

@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from stopline.core.errors import ToolError
+
 __all__ = ["OutsideWorkspace", "resolve_in_workspace"]
 
 
-class OutsideWorkspace(ValueError):
+class OutsideWorkspace(ToolError):
     """A tool path resolves outside the task's workspace (DESIGN §2: ``ok=False``).
 
     Attributes:

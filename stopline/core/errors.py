@@ -1,0 +1,50 @@
+"""The one exception root of stopline, and the tree under it.
+
+Every exception stopline raises on purpose derives from :class:`StoplineError`,
+so a team embedding stopline can catch "anything stopline refused to do" in
+one clause. Each class lives where its concern lives and is listed here::
+
+    StoplineError
+    ├── UsageError                      stopline.cli: a command-line or set-up problem (exit 2)
+    ├── ConfigError                     bad settings: a malformed key or address
+    │   └── CodecKeyError               stopline.worker.codec
+    ├── ConversationInvalid             stopline.core.policies: a transcript a provider would reject
+    ├── ProviderError                   stopline.activities.providers.base: a model call failed
+    ├── LedgerCorrupt                   stopline.activities.ledger: the ledger file has a gap
+    ├── ToolError                       a tool call could not be made (becomes ok=False, DESIGN §2)
+    │   ├── OutsideWorkspace            stopline.activities.tools.workspace
+    │   └── PatchError                  stopline.activities.tools.patch (and its subclasses)
+    ├── TaskNotContinuable              stopline.activities.tasks: refused, ended or unknown task
+    ├── SearchAttributeTypeConflict     stopline.core.search_attributes
+    └── HostError                       placement: this process cannot serve as a host
+        └── HostInUse                   stopline.worker.host: another worker holds this home
+
+Errors that cross the workflow boundary do so as Temporal
+``ApplicationError`` with a stable ``type`` string (e.g. ``ProviderError``,
+``LedgerCorrupt``), never as these classes: a workflow sees failures, not
+Python exceptions.
+
+This module is part of the pure core: no I/O, importable in the sandbox.
+"""
+
+from __future__ import annotations
+
+
+class StoplineError(Exception):
+    """Root of every exception stopline raises on purpose."""
+
+
+class ConfigError(StoplineError, ValueError):
+    """A setting is malformed (a key, an address, a bound)."""
+
+
+class ToolError(StoplineError, ValueError):
+    """A tool call could not be made; the tool boundary turns it into
+    ``RespondToModel(ok=False)`` (DESIGN §2), never a turn failure."""
+
+
+class HostError(StoplineError):
+    """This process cannot serve as a stopline host (DESIGN §7)."""
+
+
+__all__ = ["ConfigError", "HostError", "StoplineError", "ToolError"]
