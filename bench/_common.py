@@ -33,9 +33,9 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
-from stopline.worker.runtime import temporal_binary
-from stopline.testing.scripted import ScriptedServer
 from stopline.core.search_attributes import ALL as SEARCH_ATTRIBUTES
+from stopline.testing.scripted import ScriptedServer
+from stopline.worker.runtime import temporal_binary
 
 #: Wide enough for the tables when the output is piped to a file.
 console = Console(width=None if sys.stdout.isatty() else 140)

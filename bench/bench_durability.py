@@ -72,14 +72,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-from temporalio.api.enums.v1 import EventType, TaskQueueType
-from temporalio.api.history.v1 import HistoryEvent
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
-from temporalio.client import Client, WorkflowHandle
-from temporalio.service import RPCError
-
 from _common import (
     console,
     dev_server,
@@ -92,12 +84,25 @@ from _common import (
     stopline_home,
     wait_until,
 )
+from rich.table import Table
+from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
 from stopline.activities.ledger import LedgerStore
-from stopline.core.contracts import SAMPLE_ACTIVITY, TOOL_ACTIVITY, AgentTaskResult, LedgerRow
-from stopline.worker.runtime import build_workers
-from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.core.contracts import (
+    SAMPLE_ACTIVITY,
+    TOOL_ACTIVITY,
+    AgentTaskResult,
+    LedgerRow,
+)
 from stopline.settings import load_settings
-from stopline.workflows._engine import SAMPLING_RETRY
+from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.worker.runtime import build_workers
+from stopline.workflows._state import SAMPLING_RETRY
 
 REPO = Path(__file__).resolve().parent.parent
 

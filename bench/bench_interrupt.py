@@ -57,12 +57,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from rich.table import Table
-from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
-from temporalio.service import RPCError
-from temporalio.worker import Worker
-
 from _common import (
     console,
     dev_server,
@@ -77,13 +71,19 @@ from _common import (
     stopline_home,
     wait_until,
 )
+from rich.table import Table
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.service import RPCError
+from temporalio.worker import Worker
+
 from stopline.activities.ledger import LedgerStore, ledger_flush
 from stopline.activities.sampling import sample
 from stopline.activities.tools import tool_activity
 from stopline.core.contracts import InterruptResult
-from stopline.worker.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers
-from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
 from stopline.settings import load_settings
+from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.worker.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers
 from stopline.workflows.agent_task import AgentTask
 
 

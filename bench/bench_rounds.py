@@ -45,11 +45,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
-from temporalio.testing import ActivityEnvironment
-
 from _common import (
     console,
     dev_server,
@@ -61,6 +56,11 @@ from _common import (
     stopline_home,
     task_input,
 )
+from rich.table import Table
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.testing import ActivityEnvironment
+
 from stopline.activities.ledger import LedgerStore, ledger_flush
 from stopline.activities.sampling import sample
 from stopline.activities.tools import tool_activity
@@ -74,10 +74,9 @@ from stopline.core.contracts import (
     SampleInput,
     ToolCallInput,
 )
-from stopline.worker.runtime import build_workers
-from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
 from stopline.settings import load_settings
-
+from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.worker.runtime import build_workers
 
 #: The tool set the workflow offers a top-level task (``workflows/_engine.py``).
 TOOLSET = "workspace+tasks"

@@ -15,7 +15,8 @@ import asyncio
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
 
-from stopline.workflows._engine import End, TurnEngine
+from stopline.workflows._engine import TurnEngine
+from stopline.workflows._state import End
 
 with workflow.unsafe.imports_passed_through():
     from stopline.core import refusal

@@ -1,0 +1,129 @@
+"""The refusal path of a thread (seed 000; DESIGN §4).
+
+A refusal is the provider's verdict, never an error: it goes to the
+disposition matrix (:func:`stopline.core.refusal.disposition`) and either
+samples again (a chat thread's quarantine, a fix task's candidate switch)
+or stops where it landed, keeping the scene, with a persisted
+``provider-refusal-stop`` row that every way back in checks.
+
+Deterministic code only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from temporalio import workflow
+
+from stopline.workflows._state import Counters, End
+
+with workflow.unsafe.imports_passed_through():
+    from stopline.core import refusal
+    from stopline.core.contracts import ModelCandidate, RefusalInfo, SamplingResult
+
+
+class RefusalMixin:
+    """Disposition, quarantine, candidate switch and the refusal stop."""
+
+    _inp: Any
+    _kind: str
+    _n: Counters
+    _candidates: list[ModelCandidate]
+    _candidate: int
+    _skipped: set[int]
+    _reprobes: int
+    _quarantine_used: int
+    _unaccepted: list[int]
+    _accepted_upto: int
+    _sampled_upto: int
+    _notified: bool
+    _refusal_stop: dict[str, Any] | None
+    _turn_text: str
+
+    def _on_refusal(self, result: SamplingResult) -> End | None:
+        """Apply the disposition matrix (seed 000 §2); ``None`` means sample again."""
+        ref = result.refusal
+        assert ref is not None
+        self._append(
+            "refusal",
+            model_visible=False,
+            meta={"provider": ref.provider, "category": ref.category, "round": self._n.rounds,
+                  "candidate": self._candidate, "persisted": result.raw_stop_reason == "persisted"},
+        )
+        self._publish("refusal", text=f"{ref.provider} {ref.category or ''}".strip())
+        d = refusal.disposition(
+            self._kind,
+            unaccepted_increments=len(self._unaccepted),
+            quarantine_retries_used=self._quarantine_used,
+            quarantine_retries=self._inp.quarantine_retries,
+            candidates=len(self._candidates),
+            skipped=frozenset(self._skipped),
+            current=self._candidate,
+            reprobes_used=self._reprobes,
+            reprobe_limit=self._inp.reprobe_limit,
+        )
+        match d.action:
+            case "quarantine_retry":
+                if self._unaccepted:
+                    self._append("quarantine", model_visible=False, meta={"seqs": list(self._unaccepted)})
+                    self._unaccepted = []
+                self._quarantine_used += 1
+                return None
+            case "switch_candidate" | "reprobe":
+                self._skipped.add(self._candidate)
+                if d.action == "reprobe":
+                    self._reprobes += 1
+                self._candidate = d.candidate or 0
+                self._publish("fallback", text=self._candidates[self._candidate].model)
+                return None
+            case "stop" | "freeze":
+                return self._stop_refused(result)
+            case "stop_notify":
+                end = self._stop_refused(result)
+                if self._notified:
+                    return end  # one critical notification per episode, not per message
+                self._notified = True
+                self._append(
+                    "notification",
+                    model_visible=False,
+                    text=(
+                        f"critical: {ref.provider} refused this thread's request after "
+                        f"{self._quarantine_used} quarantined retr"
+                        f"{'y' if self._quarantine_used == 1 else 'ies'}. The thread is "
+                        f"stopped; it will not switch model by itself. To recover, a "
+                        f"person switches the model, or starts fresh in a new thread "
+                        f"without the old history."
+                    ),
+                    meta={"severity": "critical"},
+                )
+                self._publish("notification", text="refusal: quarantine exhausted; needs a person")
+                return end
+
+    def _stop_refused(self, result: SamplingResult) -> End:
+        """Stop where the refusal landed; keep the scene (seed 000 §3)."""
+        ref = result.refusal
+        assert ref is not None
+        if result.text:
+            self._append("assistant", text=result.text)
+            self._n.final_text = result.text
+            self._turn_text = result.text
+        self._refusal_stop = {
+            "provider": ref.provider,
+            "category": ref.category,
+            "round": self._n.rounds,
+            "tool": self._n.last_tool,
+        }
+        self._append("provider-refusal-stop", model_visible=False, meta=dict(self._refusal_stop))
+        category = f" ({ref.category})" if ref.category else ""
+        return End("stopped", f"refused by {ref.provider}{category}", refused=True)
+
+    def _accept_increments(self) -> None:
+        """The provider accepted the request: its increments are accepted."""
+        self._notified = False
+        self._accepted_upto = self._sampled_upto
+        self._unaccepted = [s for s in self._unaccepted if s > self._sampled_upto]
+
+    def _refusal_info(self) -> RefusalInfo | None:
+        if self._refusal_stop is None:
+            return None
+        return RefusalInfo(**self._refusal_stop)
