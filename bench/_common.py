@@ -132,7 +132,6 @@ def task_input(server: ScriptedServer, workspace: Path, task_queue: str, **limit
         model=provider_for(server),
         workspace=str(workspace),
         base_url=server.url,
-        host_task_queue=task_queue,
         limits=TaskLimits(**limits),
     )
 

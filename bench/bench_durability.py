@@ -516,7 +516,7 @@ async def long_run(client: Client, queue: str, home: Path, rounds: int, can_even
 
 async def part_long(client: Client, home: Path, args: argparse.Namespace) -> list[Long]:
     queue = fresh_queue("long")
-    async with running(build_workers(client, load_settings(), task_queue=queue, host_task_queue=queue)):
+    async with running(build_workers(client, load_settings(), task_queue=queue)):
         probe = await long_run(client, queue, home, args.probe_rounds, CAN_EVENTS[0])
         speed = probe.ms_per_round_between(0.5, 1.0)  # the first second or so runs faster
         leg_s = speed * args.long_rounds / 1000
@@ -725,7 +725,7 @@ async def main(args: argparse.Namespace) -> None:
             recovery = await part_recovery(client, home, args)
             console.print(f"[dim]2. offloading: {args.offload_rounds} rounds × {len(CAPS)} caps…[/]")
             queue = fresh_queue("offload")
-            async with running(build_workers(client, load_settings(), task_queue=queue, host_task_queue=queue)):
+            async with running(build_workers(client, load_settings(), task_queue=queue)):
                 offload = [await offload_run(client, queue, home, args.offload_rounds, cap) for cap in CAPS]
             console.print(f"[dim]3. {args.long_rounds}-round task × {len(CAN_EVENTS)} continue-as-new settings…[/]")
             long = await part_long(client, home, args)

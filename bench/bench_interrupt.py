@@ -119,7 +119,7 @@ class Mode:
 
 def stopline_workers(client: Client, queue: str) -> list[Worker]:
     """What stopline runs: ``build_workers`` (heartbeat throttle 20 ms)."""
-    return build_workers(client, load_settings(), task_queue=queue, host_task_queue=queue)
+    return build_workers(client, load_settings(), task_queue=queue)
 
 
 def sdk_default_workers(client: Client, queue: str) -> list[Worker]:

@@ -291,7 +291,7 @@ async def main(args: argparse.Namespace) -> None:
         async with dev_server() as env:
             client = env.client
             queue = fresh_queue("rounds")
-            workers = build_workers(client, load_settings(), task_queue=queue, host_task_queue=queue)
+            workers = build_workers(client, load_settings(), task_queue=queue)
             async with running(workers):
                 console.print(f"[dim]warm-up ({args.warmup_rounds} rounds each, not counted)…[/]")
                 await temporal_run(client, queue, home, args.warmup_rounds)

@@ -241,9 +241,13 @@ async def _run_task(
     as_json: bool,
     quiet_events: bool = False,
     task_id: str | None = None,
+    host: str | None = None,
 ) -> int:
     task_id = task_id or f"task-{uuid.uuid4().hex[:12]}"
-    if not workspace.is_dir():
+    # The workspace lives on the host that runs the tools; that host checks
+    # it when it claims the task. Only with the embedded server (this
+    # machine is the host) is a missing directory known here, early.
+    if not settings.temporal_address and not workspace.is_dir():
         raise UsageError(f"workspace {workspace} is not a directory")
     _check_model(model, settings)
     async with AsyncExitStack() as stack:
@@ -260,8 +264,7 @@ async def _run_task(
             AGENT_TASK_WORKFLOW,
             AgentTaskInput(
                 prompt=prompt, model=model, workspace=str(workspace.resolve()),
-                limits=limits, base_url=base_url,
-                host_task_queue=settings.resolved_host_task_queue(),
+                limits=limits, base_url=base_url, host=host,
             ),
             id=task_id,
             task_queue=settings.task_queue,
@@ -380,7 +383,7 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline run`: start a task, follow its events, print the result."""
     return asyncio.run(_run_task(
         settings, prompt=args.prompt, model=args.model, workspace=Path(args.workspace),
-        limits=_limits(args), detach=args.detach, as_json=args.json,
+        limits=_limits(args), detach=args.detach, as_json=args.json, host=args.host,
     ))
 
 
@@ -609,7 +612,6 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
                     CHAT_THREAD_WORKFLOW,
                     ChatThreadInput(
                         model=model, base_url=base_url, workspace=str(Path(args.workspace).resolve()),
-                        host_task_queue=settings.resolved_host_task_queue(),
                     ),
                     id=thread_id, task_queue=settings.task_queue,
                 )
@@ -795,6 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-rounds", type=int, help="sampling rounds before the task stops (default 50)")
     r.add_argument("--tool-timeout", type=float, help="per-tool timeout, seconds")
     r.add_argument("--grace", type=float, help="interrupt grace period, seconds (default 0.1)")
+    r.add_argument("--host", help="run on this host id (see `stopline hosts`); default: any host with room")
     r.add_argument("--detach", action="store_true", help="start the task and return (task_start)")
     r.add_argument("--json", action="store_true", help="print the result object as the last line")
     r.set_defaults(fn=cmd_run)

@@ -27,9 +27,10 @@ class Settings(BaseSettings):
             (``$TEMPORAL_ADDRESS``). Unset: the embedded dev server.
         temporal_namespace: Namespace (``$TEMPORAL_NAMESPACE``).
         task_queue: Task queue of workflows and sampling activities.
-        host_task_queue: Task queue bound to this host, for tool activities
-            and ledger writes (workspace affinity). Default
-            ``stopline-host-<hostname>``.
+        host_capacity: Tasks this host holds at once (DESIGN §7); a full
+            pool makes a new task wait, visibly, for a host.
+        host_lost_after_s: Default bound after which a silent host is lost
+            (its sessions' heartbeat timeout); per task in ``TaskLimits``.
         dev_server_port: Port of the embedded dev server's frontend.
         dev_server_ui_port: Port of its web UI.
         interrupt_grace_s: Seconds between an interrupt's cancel request and
@@ -73,7 +74,8 @@ class Settings(BaseSettings):
     temporal_address: str | None = Field(default=None, validation_alias="TEMPORAL_ADDRESS")
     temporal_namespace: str = Field(default="default", validation_alias="TEMPORAL_NAMESPACE")
     task_queue: str = DEFAULT_TASK_QUEUE
-    host_task_queue: str | None = None
+    host_capacity: int = 8
+    host_lost_after_s: float = 30.0
     dev_server_port: int = 7233
     dev_server_ui_port: int = 8233
     interrupt_grace_s: float = 0.1
@@ -101,14 +103,6 @@ class Settings(BaseSettings):
     def _empty_is_off(cls, value: object) -> object:
         """``STOPLINE_OTEL=`` (set but empty, as compose passes it) means off."""
         return False if value == "" else value
-
-    def resolved_host_task_queue(self) -> str:
-        """The host-bound task queue name (``stopline-host-<hostname>`` by default)."""
-        if self.host_task_queue:
-            return self.host_task_queue
-        import socket
-
-        return f"stopline-host-{socket.gethostname()}"
 
     @property
     def ledger_dir(self) -> Path:

@@ -67,7 +67,6 @@ class WorkerProc:
             TEMPORAL_ADDRESS=self.address,
             STOPLINE_HOME=str(self.home),
             STOPLINE_TASK_QUEUE=self.task_queue,
-            STOPLINE_HOST_TASK_QUEUE=self.task_queue,
             PYTHONUNBUFFERED="1",
         )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,7 @@ async def worker(
 ) -> AsyncIterator[list[Worker]]:
     """In-process workers serving ``task_queue`` (workflows and activities)."""
     settings = load_settings()
-    workers = build_workers(client, settings, task_queue=task_queue, host_task_queue=task_queue)
+    workers = build_workers(client, settings, task_queue=task_queue)
     runs = [asyncio.create_task(w.run()) for w in workers]
     try:
         yield workers
@@ -144,7 +144,6 @@ async def start_task(
         model=provider_for(server),
         workspace=str(workspace),
         base_url=server.url,
-        host_task_queue=task_queue,
         limits=TaskLimits(**limits),
         stream=stream,
     )

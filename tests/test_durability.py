@@ -309,8 +309,10 @@ async def test_sigterm_drains_the_tool_and_records_no_interrupt(
     await _wait_file(workspace / "starts")
     await asyncio.sleep(0.2)
     first.terminate()
-    await procs.start()
+    # one worker per home (DESIGN §7): the next one starts once the first has
+    # drained and exited, as a pod with the same volume does
     rc = await first.wait_exit(20)
+    await procs.start()
     result = await _result(handle, procs)
 
     assert result.status == "completed", result

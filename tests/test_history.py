@@ -21,10 +21,10 @@ import structlog
 from temporalio.client import Client
 
 from stopline.activities.ledger import LedgerStore
-from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
-from stopline.worker.runtime import build_workers
-from stopline.testing.scripted import anthropic_message, entry, scenario
+from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits, TaskStatus
 from stopline.settings import load_settings
+from stopline.testing.scripted import anthropic_message, entry, scenario
+from stopline.worker.runtime import build_workers
 from tests.conftest import start_task
 
 
@@ -97,36 +97,53 @@ async def test_history_grows_linearly_with_rounds(
     assert bytes_per_round < 12_000, sizes
 
 
-async def test_tools_run_on_the_host_task_queue(
+async def test_a_task_waits_for_a_host_then_runs_on_the_one_that_claimed_it(
     client: Client, scripted: Any, workspace: Path, stopline_home: Path
 ) -> None:
-    wf_queue, host_queue = f"wf-{uuid.uuid4().hex[:8]}", f"host-{uuid.uuid4().hex[:8]}"
+    """Placement (DESIGN §7): with only a workflow worker, the task waits
+    visibly for a host and nothing is sampled or run; once a host's pool and
+    own-queue workers run, it claims the task and the tool runs there."""
+    from stopline.activities.host import host_id_for
+    from stopline.core import search_attributes as sa
+
+    wf_queue = f"wf-{uuid.uuid4().hex[:8]}"
     server = scripted(scenario(
         "anthropic",
         entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "hostname > where.txt"})])),
         entry(anthropic_message("done")),
     ))
     settings = load_settings()
-    wf_only, host_only = build_workers(client, settings, task_queue=wf_queue, host_task_queue=host_queue)
+    wf_only, pool, host = build_workers(client, settings, task_queue=wf_queue)
     run_wf = asyncio.create_task(wf_only.run())
     try:
         handle = await client.start_workflow(
             "AgentTask",
             AgentTaskInput(prompt="x", model="anthropic:scripted", base_url=server.url,
-                           workspace=str(workspace), host_task_queue=host_queue,
-                           limits=TaskLimits()),
+                           workspace=str(workspace), limits=TaskLimits()),
             id=f"aff-{uuid.uuid4().hex[:8]}", task_queue=wf_queue, result_type=AgentTaskResult,
         )
-        await asyncio.sleep(1.5)
-        # no worker polls the host queue yet: nothing sampled, nothing run
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            st = await handle.query("status", result_type=TaskStatus)
+            if st.state == "waiting_for_host" or asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert st.state == "waiting_for_host" and st.host is None
+        await asyncio.sleep(1.0)
+        # no host polls the pool yet: nothing sampled, nothing run
         assert server.request_count() == 0 and not (workspace / "where.txt").exists()
-        run_host = asyncio.create_task(host_only.run())
+        runs = [asyncio.create_task(pool.run()), asyncio.create_task(host.run())]
         try:
             result = await asyncio.wait_for(handle.result(), 60)
         finally:
-            await host_only.shutdown()
-            run_host.cancel()
+            await asyncio.gather(pool.shutdown(), host.shutdown(), return_exceptions=True)
+            for r in runs:
+                r.cancel()
         assert result.status == "completed" and (workspace / "where.txt").exists()
+        assert result.host_id == host_id_for(stopline_home)
+        assert host.task_queue == f"{wf_queue}-host-{result.host_id}"
+        desc = await handle.describe()
+        assert desc.typed_search_attributes.get(sa.HOST) == result.host_id
     finally:
         await wf_only.shutdown()
         run_wf.cancel()

@@ -328,7 +328,7 @@ async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace
 
     monkeypatch.setenv("STOPLINE_HEARTBEAT_THROTTLE_S", "30")
     queue = f"slow-{uuid.uuid4().hex[:8]}"
-    workers = build_workers(client, load_settings(), task_queue=queue, host_task_queue=queue)
+    workers = build_workers(client, load_settings(), task_queue=queue)
     runs = [asyncio.create_task(w.run()) for w in workers]
     try:
         server = scripted(scenario(

@@ -74,9 +74,10 @@ def test_search_attribute_keys_and_dev_server_flags() -> None:
         "StoplineRefused": "Bool",
         "StoplineKind": "Keyword",
         "StoplineModel": "Keyword",
+        "StoplineHost": "Keyword",
     }
     flags = runtime._search_attribute_flags()
-    assert flags[::2] == ["--search-attribute"] * 4
+    assert flags[::2] == ["--search-attribute"] * 5
     assert sorted(flags[1::2]) == sorted(f"{n}={t}" for n, t in names.items())
     assert all("temporal operator search-attribute create" in c for c in search_attributes.cli_commands())
     ups = search_attributes.updates(status="stopped", refused=True, kind="task", model="m")
@@ -360,7 +361,7 @@ async def test_encrypted_task_history_is_unreadable_without_the_key(
     answer = f"ANSWER-CANARY-{uuid.uuid4().hex}"
     settings = load_settings(codec_key=_key())
     secure = await connect(settings, address=_address(client))
-    workers = build_workers(secure, settings, task_queue=task_queue, host_task_queue=task_queue)
+    workers = build_workers(secure, settings, task_queue=task_queue)
     runs = [asyncio.create_task(w.run()) for w in workers]
     try:
         server = scripted(scenario(
@@ -402,7 +403,7 @@ async def test_replay_of_an_encrypted_history_needs_the_key(
 
     settings = load_settings(codec_key=_key())
     secure = await connect(settings, address=_address(client))
-    workers = build_workers(secure, settings, task_queue=task_queue, host_task_queue=task_queue)
+    workers = build_workers(secure, settings, task_queue=task_queue)
     runs = [asyncio.create_task(w.run()) for w in workers]
     try:
         server = scripted(scenario("anthropic", entry(anthropic_message("done"))))

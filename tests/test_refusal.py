@@ -59,7 +59,7 @@ async def _start(
 ) -> Any:
     inp = AgentTaskInput(
         prompt=prompt, model=_model(server), base_url=server.url, workspace=str(workspace),
-        host_task_queue=task_queue, **fields,
+        **fields,
     )
     return await client.start_workflow(
         "AgentTask", inp, id=task_id or f"task-{uuid.uuid4().hex[:10]}", task_queue=task_queue,
@@ -121,7 +121,7 @@ async def test_chat_stops_when_quarantine_is_exhausted_and_next_message_is_still
     second = scripted(scenario("anthropic", entry(anthropic_message("other model"))))
     thread_id = f"chat-{uuid.uuid4().hex[:8]}"
     inp = ChatThreadInput(
-        model=_model(first), base_url=first.url, workspace=str(workspace), host_task_queue=task_queue,
+        model=_model(first), base_url=first.url, workspace=str(workspace),
         candidates=[ModelCandidate(model=_model(second), base_url=second.url)],
         limits=TaskLimits(continue_as_new_after_events=1),  # continue-as-new after every turn
     )
@@ -320,7 +320,7 @@ async def test_task_message_after_a_worker_restart_fails_with_zero_model_calls(
 
     server = scripted(scenario("anthropic", _refusal()))
     for phase in ("before", "after"):
-        workers = build_workers(client, load_settings(), task_queue=task_queue, host_task_queue=task_queue)
+        workers = build_workers(client, load_settings(), task_queue=task_queue)
         runs = [asyncio.create_task(w.run()) for w in workers]
         try:
             if phase == "before":
@@ -501,8 +501,7 @@ async def test_stopping_a_chat_thread_is_a_recorded_ending(
     thread_id = f"chat-{uuid.uuid4().hex[:8]}"
     handle = await client.start_workflow(
         "ChatThread",
-        ChatThreadInput(model=_model(server), base_url=server.url, workspace=str(workspace),
-                        host_task_queue=task_queue),
+        ChatThreadInput(model=_model(server), base_url=server.url, workspace=str(workspace)),
         id=thread_id, task_queue=task_queue, result_type=AgentTaskResult,
     )
     await handle.execute_update("message", "start something long")

@@ -25,7 +25,9 @@ import os
 import threading
 from pathlib import Path
 
+import structlog
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from stopline.activities.tools._state import safe_component
 from stopline.core.contracts import (
@@ -37,9 +39,31 @@ from stopline.core.contracts import (
 from stopline.core.errors import StoplineError
 from stopline.settings import load_settings
 
+log = structlog.get_logger("stopline.ledger")
+
 
 class LedgerCorrupt(StoplineError, RuntimeError):
-    """The ledger file does not continue where the workflow expects (a gap)."""
+    """The ledger file cannot take the rows it is given."""
+
+
+class LedgerGap(LedgerCorrupt):
+    """The file lacks rows the workflow already sent: a host that never held
+    the task, or lost its home. Rebuilt from Temporal history (DESIGN §7)."""
+
+
+class StagedMissing(LedgerCorrupt):
+    """A row's content was staged on another host (or a lost home): it is in
+    the activity result in history, and is rebuilt from there."""
+
+
+def same_row(a: LedgerRow, b: LedgerRow) -> bool:
+    """Whether two rows are the same append (seq, kind, round, call, time).
+
+    Rows a reset re-creates while replaying up to its reset point are the
+    same; rows of the new branch carry a later ``at`` (``workflow.now()`` of
+    a new workflow task): a different row under an old seq is a fork.
+    """
+    return (a.seq, a.kind, a.round, a.call_id, a.at) == (b.seq, b.kind, b.round, b.call_id, b.at)
 
 
 _locks: dict[Path, threading.RLock] = {}
@@ -119,26 +143,45 @@ class LedgerStore:
     def append(self, task_id: str, rows: list[LedgerRow]) -> int:
         """Append rows not yet in the file, then fsync.
 
+        A row whose seq the file already holds is skipped when it is the same
+        append (a retried activity); when it is not, the workflow was reset
+        and this is a new branch: the file's rows from that seq on are moved
+        to ``forks/<n>.jsonl`` (kept for audit, never shown to the model) and
+        the new branch continues the file (DESIGN §7: a reset forks the
+        ledger).
+
         Args:
             task_id: Task id.
-            rows: Rows in seq order. Rows with seq at or below the file's last
-                seq are skipped (idempotent retry).
+            rows: Rows in seq order.
 
         Returns:
             The number of rows written.
 
         Raises:
-            LedgerCorrupt: If the first new row does not follow the file's
-                last seq (a gap), or the rows are out of order.
+            LedgerGap: If the first new row does not follow the file's last
+                seq (this host lacks rows: rebuild from history).
+            StagedMissing: If a staged row's content is not on this host.
+            LedgerCorrupt: If the rows are out of order.
         """
         path = self.path(task_id)
         with _lock_for(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             last = self._last_seq_repairing(path)
+            if rows and rows[0].seq <= last:
+                have = self._read_cached(path)
+                for r in rows:
+                    if r.seq > last:
+                        break
+                    if r.seq - 1 >= len(have) or not same_row(have[r.seq - 1], r):
+                        self._fork(path, r.seq)
+                        last = r.seq - 1
+                        break
             new = [r for r in rows if r.seq > last]
             expected = last + 1
             for r in new:
                 if r.seq != expected:
+                    if r is new[0]:
+                        raise LedgerGap(f"ledger {path}: has rows up to {last}, got row {r.seq}")
                     raise LedgerCorrupt(
                         f"ledger {path}: expected row seq {expected}, got {r.seq}"
                     )
@@ -156,6 +199,35 @@ class LedgerStore:
             if last == 0:
                 _fsync_dir(path.parent)
             return len(new)
+
+    def _fork(self, path: Path, seq: int) -> None:
+        """Move the file's rows from ``seq`` on to ``forks/<n>.jsonl``."""
+        data = path.read_bytes()
+        lines = data.splitlines(keepends=True)
+        keep = b"".join(lines[: seq - 1])
+        forks = path.parent / "forks"
+        forks.mkdir(exist_ok=True)
+        n = len(list(forks.glob("*.jsonl"))) + 1
+        archive = forks / f"{n}.jsonl"
+        fd = os.open(archive, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, data[len(keep):])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with path.open("rb+") as fh:
+            fh.truncate(len(keep))
+            fh.flush()
+            os.fsync(fh.fileno())
+        _cache.pop(path, None)
+
+    def forks(self, task_id: str) -> list[list[LedgerRow]]:
+        """Rows of the branches resets abandoned, oldest first (for audit)."""
+        forks = self.path(task_id).parent / "forks"
+        if not forks.is_dir():
+            return []
+        paths = sorted(forks.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0)
+        return [self.read_path(p) for p in paths]
 
     def stage(self, task_id: str, key: str, content: dict[str, object]) -> None:
         """Keep a row's bulky content on this host until its row is appended.
@@ -196,9 +268,8 @@ class LedgerStore:
         try:
             content = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            raise LedgerCorrupt(
-                f"row {row.seq} of {task_id}: staged content {key!r} is missing on this host "
-                f"({err}); STOPLINE_HOME must be the one the task's activities use"
+            raise StagedMissing(
+                f"row {row.seq} of {task_id}: staged content {key!r} is not on this host ({err})"
             ) from None
         meta = {k: v for k, v in row.meta.items() if k != "staged"}
         update: dict[str, object] = {"text": content.get("text"), "meta": meta}
@@ -252,6 +323,35 @@ def default_store() -> LedgerStore:
     return LedgerStore(load_settings().ledger_dir)
 
 
+async def append_rows(store: LedgerStore, task_id: str, rows: list[LedgerRow]) -> int:
+    """Append rows; when this host lacks earlier rows, rebuild them from
+    Temporal history first (DESIGN §7: the transcript outlives its host).
+
+    Must run inside an activity of the task's workflow (its history is
+    fetched with the activity's client).
+
+    Returns:
+        The number of rows written by the final append.
+
+    Raises:
+        ApplicationError: ``LedgerCorrupt`` (non-retryable) when even the
+            history cannot make the file whole.
+    """
+    try:
+        try:
+            return store.append(task_id, rows)
+        except (LedgerGap, StagedMissing) as why:
+            from stopline.activities.history import rows_from_history
+
+            info = activity.info()
+            full = await rows_from_history(activity.client(), info.workflow_id, info.workflow_run_id)
+            log.warning("ledger_rebuilt", task_id=task_id, reason=str(why), rows=len(full))
+            store.append(task_id, full)
+            return store.append(task_id, rows)
+    except LedgerCorrupt as err:
+        raise ApplicationError(str(err), type="LedgerCorrupt", non_retryable=True) from None
+
+
 @activity.defn(name=LEDGER_FLUSH_ACTIVITY)
 async def ledger_flush(inp: LedgerFlushInput) -> int:
     """Append rows to the task's ledger and fsync; kill aborted calls' groups.
@@ -268,8 +368,10 @@ async def ledger_flush(inp: LedgerFlushInput) -> int:
         The last seq now in the ledger file.
 
     Raises:
-        LedgerCorrupt: On a seq gap (non-retryable by nature; a bug).
+        ApplicationError: ``LedgerCorrupt`` (non-retryable) when the file
+            cannot be made whole, even from history.
     """
+    from stopline.activities.host import release_session
     from stopline.activities.tools import close_unattended_shells, kill_call_groups
 
     if inp.kill_calls:
@@ -278,5 +380,7 @@ async def ledger_flush(inp: LedgerFlushInput) -> int:
         # blocks up to grace + 1 s while shells exit: off the event loop
         await asyncio.to_thread(close_unattended_shells, inp.task_id)
     store = default_store()
-    store.append(inp.task_id, inp.rows)
+    await append_rows(store, inp.task_id, inp.rows)
+    if inp.release_session:
+        release_session(inp.task_id)
     return store.last_seq(inp.task_id)

@@ -27,7 +27,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from stopline.activities._heartbeat import heartbeating
-from stopline.activities.ledger import default_store
+from stopline.activities.ledger import append_rows, default_store
 from stopline.activities.providers.base import ProviderError
 from stopline.activities.providers.registry import get_adapter, parse_model_ref
 from stopline.core.contracts import SAMPLE_ACTIVITY, Refusal, SampleInput, SamplingResult
@@ -76,7 +76,7 @@ def _persisted_refusal(inp: SampleInput, rows: list) -> SamplingResult | None:
     the persisted ``provider-refusal-stop`` row here and gets the same
     refusal, with no provider call (seed 000 §5).
     """
-    if inp.thread_kind != "task":
+    if inp.thread_kind not in ("task", "fix"):
         return None
     for row in rows:
         if row.kind == "provider-refusal-stop":
@@ -91,6 +91,29 @@ def _persisted_refusal(inp: SampleInput, rows: list) -> SamplingResult | None:
                 ),
             )
     return None
+
+
+async def _chain_refusal(inp: SampleInput) -> SamplingResult | None:
+    """The refusal guard no disk can lose (DESIGN §4, §7): a task or fix task
+    whose run chain stopped refused before — a run a reset abandoned, a
+    ledger on a host that is gone — gets that refusal, with no provider call.
+    """
+    if inp.thread_kind not in ("task", "fix"):
+        return None
+    from stopline.activities.history import chain_refusal
+
+    info = activity.info()
+    ref = await chain_refusal(activity.client(), info.workflow_id, info.workflow_run_id, inp.chain_id)
+    if ref is None:
+        return None
+    return SamplingResult(
+        provider=ref.provider,
+        model=inp.model,
+        stop_reason="refusal",
+        raw_stop_reason="persisted",
+        refusal=Refusal(provider=ref.provider, category=ref.category),
+    )
+
 
 #: ApplicationError type of a provider failure (retryable or not).
 PROVIDER_ERROR_TYPE = "ProviderError"
@@ -138,9 +161,9 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     settings = load_settings()
     info = activity.info()
     store = default_store()
-    store.append(inp.task_id, inp.pending_rows)
+    await append_rows(store, inp.task_id, inp.pending_rows)
     all_rows = store.read(inp.task_id)
-    persisted = _persisted_refusal(inp, all_rows)
+    persisted = _persisted_refusal(inp, all_rows) or await _chain_refusal(inp)
     if persisted is not None:
         persisted.attempt = 0  # no provider call was made
         return persisted

@@ -34,8 +34,30 @@ SAMPLE_ACTIVITY = "stopline.sample"
 TOOL_ACTIVITY = "stopline.tool"
 LEDGER_FLUSH_ACTIVITY = "stopline.ledger_flush"
 TASK_MESSAGE_ACTIVITY = "stopline.task_message"
+HOST_SESSION_ACTIVITY = "stopline.host_session"
+LIST_HOSTS_ACTIVITY = "stopline.list_hosts"
+#: Signal a host session sends its task when it has claimed the host.
+HOST_CLAIMED_SIGNAL = "stopline_host_claimed"
 #: The workflow-streams topic that carries :class:`TaskEvent`.
 EVENTS_TOPIC = "events"
+
+
+def pool_task_queue(task_queue: str) -> str:
+    """The pool's task queue for workflows on ``task_queue`` (DESIGN §7).
+
+    Every host polls it for host sessions, at most its capacity at once: a
+    task placed through the pool lands on a host with room.
+    """
+    return f"{task_queue}-pool"
+
+
+def host_task_queue(task_queue: str, host_id: str) -> str:
+    """One host's own task queue (Temporal's worker-specific task queues).
+
+    Sampling, tool calls, ledger writes and cancels of a task placed on the
+    host run here, so they reach the disk and processes that host holds.
+    """
+    return f"{task_queue}-host-{host_id}"
 
 
 class _Model(BaseModel):
@@ -271,6 +293,7 @@ RowKind = Literal[
     "increment",
     "quarantine",
     "refusal",
+    "host_lost",
 ]
 
 
@@ -316,12 +339,15 @@ class LedgerFlushInput(_Model):
             activity returns (SIGKILL): the irreversible step of an abort.
         close_shells: Close the task's still-running background shells (a
             task that completes normally; never a refused one — seed 000 §3).
+        release_session: End the task's host session on this host (the task
+            is done with the host; its capacity slot is free at once).
     """
 
     task_id: str
     rows: list[LedgerRow] = Field(default_factory=list)
     kill_calls: list[str] = Field(default_factory=list)
     close_shells: bool = False
+    release_session: bool = False
 
 
 class SampleInput(_Model):
@@ -350,6 +376,10 @@ class SampleInput(_Model):
             refusal and no provider call (a reset or re-drive never reaches
             the provider again — seed 000 §5).
         round: Sampling round (bound into log lines).
+        chain_id: The run chain (``workflow.info().first_execution_run_id``:
+            shared by continue-as-new runs and by runs a reset made): a
+            refusal stop anywhere in the chain answers a *task*'s sampling
+            with that refusal, whatever this host's disk holds (DESIGN §4, §7).
     """
 
     task_id: str
@@ -364,6 +394,95 @@ class SampleInput(_Model):
     stream: bool = True
     thread_kind: str = "task"
     round: int = 0
+    chain_id: str = ""
+
+
+# ---------------------------------------------------------------------------
+# Placement: hosts, claims, sessions (DESIGN §7).
+# ---------------------------------------------------------------------------
+
+
+class HostClaim(_Model):
+    """A host a task holds: who it is and how to reach it.
+
+    Attributes:
+        host_id: Stable host id, created once in the host's ``STOPLINE_HOME``
+            (``h-`` and 12 hex digits); survives restarts and new hostnames.
+        task_queue: The host's own task queue (:func:`host_task_queue`).
+        hostname: The machine's name when it claimed (for people; not an id).
+        boot_id: The kernel's boot id when it claimed (a reboot changes it).
+        instance: Id of the worker process that claimed (a restart changes it).
+        workspace_marker: Id read from (or written to) the workspace's
+            ``.stopline-workspace`` file: another host holding the same path
+            with the same marker reaches the same workspace.
+        claim_id: The session this claim answers (stale claims are ignored).
+    """
+
+    host_id: str
+    task_queue: str
+    hostname: str = ""
+    boot_id: str = ""
+    instance: str = ""
+    workspace_marker: str | None = None
+    claim_id: str = ""
+
+
+class HostSessionInput(_Model):
+    """Input of ``stopline.host_session``: claim a host and hold it.
+
+    Attributes:
+        task_id: The task (workflow id).
+        run_id: Its run (the claim Signal targets this run).
+        claim_id: Echoed in the claim, so a late claim of an abandoned session
+            is ignored.
+        workspace: Absolute workspace path; it must exist on the host.
+        require_marker: When set, the host's workspace must carry this marker
+            (a task moving to another host after its own was lost).
+        parent_task_id: A sub-task's parent: when the parent holds this host,
+            the sub-task shares its capacity slot.
+        heartbeat_s: Seconds between the session's heartbeats (liveness).
+    """
+
+    task_id: str
+    run_id: str
+    claim_id: str
+    workspace: str
+    require_marker: str | None = None
+    parent_task_id: str | None = None
+    heartbeat_s: float = 10.0
+
+
+class ListHostsInput(_Model):
+    """Input of ``stopline.list_hosts``.
+
+    Attributes:
+        task_queue: The workflow task queue whose hosts to list.
+        max_age_s: Hosts whose workers have not polled for longer are left
+            out (a dead host's poller lingers on the server for minutes).
+    """
+
+    task_queue: str
+    max_age_s: float = 90.0
+
+
+class HostInfo(_Model):
+    """A live host as ``stopline.list_hosts`` and ``stopline hosts`` see it.
+
+    Attributes:
+        host_id: Stable host id.
+        task_queue: Its own task queue.
+        hostname: Its machine name.
+        capacity: Tasks it takes at once.
+        identity: The worker identity its pollers report.
+        last_seen: When its worker last polled the workflow task queue.
+    """
+
+    host_id: str
+    task_queue: str
+    hostname: str = ""
+    capacity: int | None = None
+    identity: str = ""
+    last_seen: datetime | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -408,6 +527,8 @@ class ThreadCarry(_Model):
     runs: int = 1
     notified: bool = False
     stream_state: WorkflowStreamState | None = None
+    host: HostClaim | None = None
+    shells: dict[str, str] = Field(default_factory=dict)
 
 
 class TaskLimits(_Model):
@@ -428,6 +549,14 @@ class TaskLimits(_Model):
         tool_output_cap_bytes: Tool output kept inline (head + tail) in the
             result the model sees and in history; the whole output is stored
             beside the ledger and referenced (``output_ref``).
+        host_lost_after_s: A host whose session sends no heartbeat for this
+            long is lost (DESIGN §7); it is also the schedule-to-start bound
+            of every activity on the host's queue.
+        claim_timeout_s: How long a claim on one named host (a pinned task,
+            the same host after a restart, a candidate when moving) may wait
+            for that host to pick it up.
+        placement_timeout_s: How long a task may wait for any host of the
+            pool (all full, or none running) before it stops.
     """
 
     max_rounds: int = 50
@@ -438,6 +567,9 @@ class TaskLimits(_Model):
     heartbeat_timeout_s: float = 5.0
     continue_as_new_after_events: int = 10_000
     tool_output_cap_bytes: int = 16_384
+    host_lost_after_s: float = 30.0
+    claim_timeout_s: float = 10.0
+    placement_timeout_s: float = 3600.0
 
 
 class ThreadInput(_Model):
@@ -448,8 +580,13 @@ class ThreadInput(_Model):
         workspace: Absolute workspace directory on the tool host.
         limits: See :class:`TaskLimits`.
         base_url: Provider base URL override (not a secret).
-        host_task_queue: Task queue of the worker on the host holding the
-            workspace (tools, sampling and ledger writes run there).
+        host_task_queue: Only read when replaying a history recorded before
+            placement (tools, sampling and ledger writes ran on this fixed
+            queue); a task now claims a host (DESIGN §7).
+        host: Pin the task to this host id (``stopline hosts`` lists them);
+            ``None``: any host of the pool.
+        parent_task_id: For a sub-task: its parent, whose host it is pinned
+            to by default and whose capacity slot it shares.
         system: System prompt; a default is used when empty.
         stream: Stream sampling responses (SSE).
         route: ``chat`` | ``subagent`` (refusal disposition, seed 000 §2).
@@ -470,6 +607,8 @@ class ThreadInput(_Model):
     limits: TaskLimits = Field(default_factory=TaskLimits)
     base_url: str | None = None
     host_task_queue: str = DEFAULT_TASK_QUEUE
+    host: str | None = None
+    parent_task_id: str | None = None
     system: str = ""
     stream: bool = True
     route: Literal["chat", "subagent"] = "subagent"
@@ -505,6 +644,10 @@ class AgentTaskResult(_Model):
         final_text: The assistant's last text.
         provider_calls: Sampling activity executions that reached the
             provider (retries included).
+        host_id: The host the task held when it ended (``None``: none).
+        unflushed_rows: Ledger rows no host could take when the task ended
+            (its host was lost): they enter history here, so the transcript
+            served from Temporal is whole (DESIGN §7).
     """
 
     task_id: str
@@ -516,6 +659,8 @@ class AgentTaskResult(_Model):
     provider_calls: int = 0
     refusal: RefusalInfo | None = None
     evidence: dict[str, Any] | None = None
+    host_id: str | None = None
+    unflushed_rows: list[LedgerRow] = Field(default_factory=list)
 
 
 class RefusalInfo(_Model):
@@ -535,16 +680,18 @@ class TaskStatus(_Model):
         stop_reason: Why it stopped, when it did.
         note: For a refused task, the sentence saying it cannot be continued
             with ``task_message`` (seed 000 §5).
+        host: The host the task holds (``None`` while it waits for one).
     """
 
     task_id: str
-    state: Literal["running", "waiting", "completed", "stopped", "failed"]
+    state: Literal["running", "waiting", "waiting_for_host", "completed", "stopped", "failed"]
     round: int
     rows: int
     result: AgentTaskResult | None = None
     refusal: RefusalInfo | None = None
     stop_reason: str | None = None
     note: str | None = None
+    host: HostClaim | None = None
 
 
 EventKind = Literal[
@@ -560,6 +707,8 @@ EventKind = Literal[
     "fallback",
     "task_result",
     "task_wait_done",
+    "host_claimed",
+    "host_lost",
 ]
 
 

@@ -247,6 +247,63 @@ def lost_receipt(call: ToolCall, why: str) -> str:
     )
 
 
+def background_shell_id(task_id: str, call_id: str) -> str:
+    """The id of the background shell a ``shell`` call with ``background``
+    starts: ``sh-`` + 8 hex digits, stable per (task, call), so the workflow
+    knows it without reading the tool's output."""
+    import hashlib
+
+    return "sh-" + hashlib.sha1(f"{task_id}\0{call_id}".encode()).hexdigest()[:8]
+
+
+def host_lost_marker(host_id: str, hostname: str, why: str, shells: list[str]) -> str:
+    """The model-visible ``host_lost`` row (DESIGN §7).
+
+    Says plainly what went with the host: calls that had not reported got
+    "lost" receipts just before this row; background shells it ran are
+    gone from this task's reach.
+
+    Args:
+        host_id: The lost host's id.
+        hostname: Its machine name when it claimed the task.
+        why: What showed the loss.
+        shells: Ids of background shells the task had started there.
+
+    Returns:
+        The row's text.
+    """
+    text = (
+        "<host_lost>\n"
+        f"The host running this task ({host_id}, {hostname or 'unknown name'}) was lost: {why}. "
+        "Tool calls that had not reported a result are marked 'lost' above; they may have "
+        "partly run. If the task continues, it continues on another host that reaches the "
+        "same workspace: check the files before repeating work."
+    )
+    if shells:
+        text += (
+            f" Background shells started there ({', '.join(shells)}) are gone from this "
+            "task's reach: shell_status and shell_kill no longer find them."
+        )
+    return text + "\n</host_lost>"
+
+
+def host_lost_receipt(call: ToolCall, host_id: str) -> str:
+    """Text of the result for a tool call whose host was lost (DESIGN §7).
+
+    Args:
+        call: The call that had not reported.
+        host_id: The lost host.
+
+    Returns:
+        The model-visible result text.
+    """
+    return (
+        f"lost: the host {host_id} running {call.name} was lost before the call reported a "
+        f"result. The call may have partly run; it was not run again. Check its effects "
+        f"before repeating it."
+    )
+
+
 TURN_ABORTED_TEXT = (
     "<turn_aborted>\n"
     "The user interrupted the previous turn on purpose. Tool calls that finished "

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from temporalio.client import Client
 
 #: The task's state as :class:`stopline.core.contracts.TaskStatus` names it
-#: (``running``, ``waiting``, ``completed``, ``failed``, ``stopped``).
+#: (``running``, ``waiting``, ``waiting_for_host``, ``completed``, ``failed``,
+#: ``stopped``).
 STATUS: SearchAttributeKey[str] = SearchAttributeKey.for_keyword("StoplineStatus")
 #: ``True`` once a provider refused (DESIGN §4): the task stopped on it.
 REFUSED: SearchAttributeKey[bool] = SearchAttributeKey.for_bool("StoplineRefused")
@@ -41,8 +42,12 @@ KIND: SearchAttributeKey[str] = SearchAttributeKey.for_keyword("StoplineKind")
 #: The ``provider:model`` reference the task samples from.
 MODEL: SearchAttributeKey[str] = SearchAttributeKey.for_keyword("StoplineModel")
 
+#: The id of the host the task holds (DESIGN §7; ``stopline hosts``); empty
+#: while it waits for one.
+HOST: SearchAttributeKey[str] = SearchAttributeKey.for_keyword("StoplineHost")
+
 #: Every stopline search attribute, in registration order.
-ALL: tuple[SearchAttributeKey, ...] = (STATUS, REFUSED, KIND, MODEL)
+ALL: tuple[SearchAttributeKey, ...] = (STATUS, REFUSED, KIND, MODEL, HOST)
 
 
 class SearchAttributeTypeConflict(StoplineError, RuntimeError):
@@ -106,6 +111,7 @@ def updates(
     refused: bool | None = None,
     kind: Literal["task", "chat"] | None = None,
     model: str | None = None,
+    host: str | None = None,
 ) -> list[SearchAttributeUpdate]:
     """Search-attribute updates for the given values (``None``: unchanged).
 
@@ -121,6 +127,8 @@ def updates(
         out.append(KIND.value_set(kind))
     if model is not None:
         out.append(MODEL.value_set(model))
+    if host is not None:
+        out.append(HOST.value_set(host))
     return out
 
 

@@ -62,9 +62,10 @@ TASK_TOOL_SPECS: list[ToolSpec] = [
     ToolSpec(
         name="task_start",
         description=(
-            "Start a sub-task: another agent working in the same workspace on `prompt`. "
-            "Optional `model` (provider:model) and `max_rounds`. Returns the task id at once; "
-            "use task_wait to get its result."
+            "Start a sub-task: another agent working in the same workspace on `prompt`, on the "
+            "same host as this task (so it sees the same files and shares this task's place "
+            "there). Optional `model` (provider:model) and `max_rounds`. Returns the task id at "
+            "once; use task_wait to get its result."
         ),
         input_schema=TaskStartArgs.model_json_schema(),
     ),

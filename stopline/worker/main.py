@@ -61,6 +61,16 @@ async def run_worker() -> None:
     # Built first, so a bad or taken address fails before anything starts.
     metrics_runtime = build_runtime(settings)
     codec_from_settings(settings)  # a malformed STOPLINE_CODEC_KEY fails here too
+    # One worker per home: the host id lives there (DESIGN §7). The lock is
+    # held for the life of this process; the kernel drops it if we die.
+    from stopline.activities.host import HomeLock, identity
+    from stopline.activities.tools.procs import reap_orphan_calls
+
+    HomeLock(settings.home).acquire()
+    host = identity(settings)
+    reaped = reap_orphan_calls(settings)
+    if reaped:
+        log.warning("reaped_orphan_calls", pgids=reaped)
     started_server = False
     address = settings.temporal_address
     if not address:
@@ -75,7 +85,8 @@ async def run_worker() -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info(
         "worker_started", address=address, task_queue=settings.task_queue,
-        host_task_queue=settings.resolved_host_task_queue(),
+        host_id=host.host_id, hostname=host.hostname, capacity=settings.host_capacity,
+        host_task_queue=workers[-1].task_queue,
         metrics=f"http://{settings.metrics_bind}/metrics" if metrics_runtime else None,
     )
     runs = [asyncio.create_task(w.run()) for w in workers]

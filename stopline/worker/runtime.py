@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.runtime import Runtime as TemporalRuntime
@@ -78,52 +79,71 @@ def build_workers(
     settings: Settings,
     *,
     task_queue: str | None = None,
-    host_task_queue: str | None = None,
 ) -> list[Worker]:
-    """Workers for the task queue (workflows) and the host queue (activities).
+    """The workers of one stopline host (DESIGN §7).
 
-    Tool, ledger and sampling activities run on the host-bound queue: the
-    ledger file, the workspace and background shells live on this host
-    (workspace affinity). When both names are equal one worker serves both.
+    Three task queues, one worker each:
 
-    Heartbeat throttling is set low (``settings.heartbeat_throttle_s``):
-    Temporal delivers an activity cancel on a heartbeat response, so this
-    bounds how fast an interrupt reaches a running tool (DESIGN §3).
+    - the workflow task queue (``settings.task_queue``, shared by every host):
+      workflows, and the activities any host can run (``task_message``,
+      ``list_hosts``);
+    - the pool's queue (``<task queue>-pool``): host sessions, at most
+      ``settings.host_capacity`` at once, so a full host stops taking tasks;
+    - this host's own queue (``<task queue>-host-<host id>``): sampling, tool
+      calls, ledger writes and pinned host sessions — the work that needs
+      this host's disk and processes.
+
+    Every worker reports an identity naming the host id, which is how
+    ``stopline hosts`` and a task looking for a new host find live hosts.
 
     Args:
         client: Connected client.
-        settings: Settings.
+        settings: Settings (home — the host id lives there —, capacity,
+            heartbeat throttle, shutdown grace).
         task_queue: Workflow task queue (default ``settings.task_queue``).
-        host_task_queue: Activity task queue (default: the host queue).
 
     Returns:
-        One or two workers, not yet running.
+        Three workers, not yet running.
     """
+    from stopline.activities.host import HostSessions, list_hosts, worker_identity
     from stopline.activities.ledger import ledger_flush
     from stopline.activities.sampling import sample
     from stopline.activities.tasks import task_message
     from stopline.activities.tools import tool_activity
+    from stopline.core.contracts import pool_task_queue
     from stopline.workflows.agent_task import AgentTask
     from stopline.workflows.chat_thread import ChatThread
 
     tq = task_queue or settings.task_queue
-    hq = host_task_queue or settings.resolved_host_task_queue()
+    sessions = HostSessions(settings, tq)
+    identity = worker_identity(sessions.identity, sessions.capacity)
     throttle = timedelta(seconds=settings.heartbeat_throttle_s)
-    # After a crash the next workflow task first goes to the dead worker's
-    # sticky queue; 2 s (not the SDK's 10 s) until it falls back to the
-    # normal queue bounds how long a crash stalls a task.
-    workflow_opts = dict(sticky_queue_schedule_to_start_timeout=timedelta(seconds=2))
-    activity_opts = dict(
-        activities=[sample, tool_activity, ledger_flush, task_message],
+    heartbeat_opts: dict[str, Any] = dict(
         max_heartbeat_throttle_interval=throttle,
         default_heartbeat_throttle_interval=throttle,
         graceful_shutdown_timeout=timedelta(seconds=settings.worker_shutdown_grace_s),
     )
-    if tq == hq:
-        return [Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread], **workflow_opts, **activity_opts)]  # type: ignore[arg-type]
     return [
-        Worker(client, task_queue=tq, workflows=[AgentTask, ChatThread], **workflow_opts),
-        Worker(client, task_queue=hq, **activity_opts),  # type: ignore[arg-type]
+        Worker(
+            client, task_queue=tq, identity=identity,
+            workflows=[AgentTask, ChatThread],
+            activities=[task_message, list_hosts],
+            # After a crash the next workflow task first goes to the dead
+            # worker's sticky queue; 2 s (not the SDK's 10 s) until it falls
+            # back to the normal queue bounds how long a crash stalls a task.
+            sticky_queue_schedule_to_start_timeout=timedelta(seconds=2),
+        ),
+        Worker(
+            client, task_queue=pool_task_queue(tq), identity=identity,
+            activities=[sessions.session],
+            max_concurrent_activities=sessions.capacity,
+            **heartbeat_opts,
+        ),
+        Worker(
+            client, task_queue=sessions.task_queue, identity=identity,
+            activities=[sample, tool_activity, ledger_flush, sessions.session],
+            **heartbeat_opts,
+        ),
     ]
 
 
@@ -342,5 +362,4 @@ def start_background_worker(settings: Settings, address: str) -> int:
     env["TEMPORAL_ADDRESS"] = address
     env["STOPLINE_HOME"] = str(settings.home)
     env["STOPLINE_TASK_QUEUE"] = settings.task_queue
-    env["STOPLINE_HOST_TASK_QUEUE"] = settings.resolved_host_task_queue()
     return _spawn(managed, [sys.executable, "-m", "stopline.worker.main"], env=env)

@@ -36,6 +36,7 @@ from temporalio.contrib.workflow_streams import WorkflowStream
 from temporalio.exceptions import ActivityError, ApplicationError
 
 from stopline.workflows._ledger import LedgerMixin
+from stopline.workflows._placement import HostLost, PlacementMixin
 from stopline.workflows._refusal import RefusalMixin
 from stopline.workflows._state import (
     ABORTED,
@@ -77,9 +78,10 @@ with workflow.unsafe.imports_passed_through():
     from stopline.core.task_tools import TASK_TOOL_NAMES
 
 
-class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
-    """The turn loop and the abort path, over the ledger, refusal and
-    sub-task parts (:mod:`._ledger`, :mod:`._refusal`, :mod:`._subtasks`).
+class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
+    """The turn loop and the abort path, over the ledger, placement, refusal
+    and sub-task parts (:mod:`._ledger`, :mod:`._placement`,
+    :mod:`._refusal`, :mod:`._subtasks`).
 
     Subclasses set ``self._inp`` (an input with ``model``, ``base_url``,
     ``workspace``, ``limits``, ``host_task_queue``, ``system``, ``stream``,
@@ -133,6 +135,7 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
         self._staged: dict[int, str] = {}  # seq -> staging key (DESIGN §5)
         self._inflight_sampling: Any = None
         self._inflight_calls: list[RunningCall] = []
+        self._init_placement(carry)
 
     # ------------------------------------------------------------ the turn
 
@@ -150,14 +153,21 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
             self._publish("turn_started")
             sampling = self._start_sampling()
             self._inflight_sampling = sampling
-            await workflow.wait_condition(lambda: self._interrupt_pending or sampling.done())
+            await workflow.wait_condition(
+                lambda: self._interrupt_pending or sampling.done() or self._host_gone_now()
+            )
             self._inflight_sampling = None
             if self._interrupt_pending:
                 await self._abort_turn(sampling, [])
                 return None
+            if not sampling.done():
+                sampling.cancel()  # its host is gone; the next host samples again
+                raise HostLost(self._why_host_gone())
             try:
                 result: SamplingResult = sampling.result()
             except ActivityError as err:
+                if self._lost_host_of(err):
+                    raise HostLost("a model call on it was never picked up") from None
                 self._count_failed_attempts(err)
                 return End("failed", activity_failure_reason(err))
             self._n.provider_calls += result.attempt
@@ -211,6 +221,37 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
     async def _at_round_boundary(self) -> None:
         """Hook between rounds (AgentTask continues-as-new here)."""
 
+    async def _turn(self) -> End | None:
+        """Run a turn; when its host is lost, move (DESIGN §7) and go on.
+
+        Returns:
+            How the turn ended; ``None`` when a user interrupt aborted it.
+        """
+        while True:
+            try:
+                if self._host_gone():
+                    raise HostLost(self._why_host_gone())
+                return await self._run_turn()
+            except HostLost as lost:
+                end = await self._recover_host(lost.why)
+                if end is not None:
+                    return end
+
+    async def _lose_host_calls(self, running: list[RunningCall]) -> End | None:
+        """The host went while tool calls ran on it: each unfinished call gets
+        a "lost" receipt (it may have partly run; it is never re-run), then the
+        thread moves. Sub-task tools run in the workflow and go on."""
+        label = self._host_label()
+        for r in running:
+            if not r.settled and r.call.name not in TASK_TOOL_NAMES:
+                r.settled = True
+                if not r.handle.done():
+                    r.handle.cancel()
+                self._append_tool_result(
+                    r.call, RespondToModel(text=policies.host_lost_receipt(r.call, label), ok=False)
+                )
+        return await self._recover_host(self._why_host_gone())
+
     def _start_sampling(self) -> Any:
         pending = self._pending_rows()
         self._sampled_upto = self._next_seq - 1
@@ -230,9 +271,11 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
                 stream=self._inp.stream,
                 thread_kind=self._kind,
                 round=self._n.rounds,
+                chain_id=workflow.info().first_execution_run_id,
             ),
             result_type=SamplingResult,
-            task_queue=self._inp.host_task_queue,
+            task_queue=self._host_queue(),
+            **self._host_bound(),
             start_to_close_timeout=timedelta(seconds=limits.sampling_timeout_s),
             heartbeat_timeout=timedelta(seconds=limits.heartbeat_timeout_s),
             retry_policy=SAMPLING_RETRY,
@@ -269,6 +312,7 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
         while not all(r.settled for r in running):
             await workflow.wait_condition(
                 lambda: self._interrupt_pending
+                or self._host_gone_now()
                 or any(r.handle.done() and not r.settled for r in running)
             )
             if self._interrupt_pending:
@@ -278,10 +322,21 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
                     finished=[r.call.id for r in running if r.settled],
                 )
                 return ABORTED
+            if self._host_gone_now() and not any(r.handle.done() and not r.settled for r in running):
+                end = await self._lose_host_calls(running)
+                if end is not None:
+                    return end
+                continue
             for r in running:
                 if r.settled or not r.handle.done():
                     continue
                 r.settled = True
+                err = _failure(r.handle)
+                if err is not None and self._lost_host_of(err):
+                    self._mark_host_lost("a tool call on it was never picked up")
+                    self._append_tool_result(r.call, RespondToModel(
+                        text=policies.host_lost_receipt(r.call, self._host_label()), ok=False))
+                    continue
                 outcome = self._tool_outcome(r)
                 if is_lost(r.handle):
                     lost.append(r.call.id)
@@ -298,7 +353,12 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
             # A call lost with its worker may still be running on the host:
             # its process group goes before the model sees the receipt, so
             # nothing of it keeps writing while the task goes on (DESIGN §5).
-            await self._flush(kill_calls=lost)
+            # A host that is itself gone kills them when it comes back (its
+            # worker reaps what a dead predecessor left at start-up).
+            try:
+                await self._flush(kill_calls=lost)
+            except HostLost:
+                pass
         if fatal is not None:
             return End("failed", fatal.reason)
         return None
@@ -317,7 +377,8 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
                 round=self._n.rounds,
             ),
             result_type=ToolOutcome,
-            task_queue=self._inp.host_task_queue,
+            task_queue=self._host_queue(),
+            **self._host_bound(),
             start_to_close_timeout=timedelta(seconds=limits.tool_timeout_s + 60),
             heartbeat_timeout=timedelta(seconds=limits.heartbeat_timeout_s),
             retry_policy=TOOL_RETRY,
@@ -420,8 +481,13 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
             aborted.append(r.call.id)
             kill.append(r.call.id)
         self._append("turn_aborted", text=policies.turn_aborted_marker(), meta={"aborted": aborted})
-        # 4. flush (fsync) before the event.
-        await self._flush(kill_calls=kill)
+        # 4. flush (fsync) before the event. With the host gone there is no
+        # file to fsync: the rows stay pending and reach the next host first
+        # (the thread's loop moves it); the abort itself is complete.
+        try:
+            await self._flush(kill_calls=kill)
+        except HostLost as lost:
+            self._mark_host_lost(lost.why)
         self._n.kept, self._n.aborted = kept, aborted
         self._publish("turn_aborted", text="turn aborted by user")
         self._interrupt_pending = False
@@ -449,6 +515,33 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
 
     # ------------------------------------------------- shared handlers
 
+    def _set_host_state(self, state: str) -> None:
+        self._state = state
+        self._upsert(state)
+
+    def _upsert(self, status: str) -> None:
+        """Upsert the search attributes (the thread kinds say which)."""
+        raise NotImplementedError
+
+    def _host_attribute(self) -> str | None:
+        """``StoplineHost``'s value: the held host, ``""`` while none, and
+        ``None`` (left unset) for a history recorded before placement."""
+        if not self._fleet:
+            return None
+        return self._host.host_id if self._host else ""
+
+    async def _wait_for_message(self) -> End | None:
+        """Wait for the next user message; a host lost meanwhile is
+        recovered (moved, or the thread stops) — never a silent hang."""
+        while True:
+            await workflow.wait_condition(lambda: bool(self._inbox) or self._host_gone())
+            if self._inbox:
+                return None
+            end = await self._recover_host(self._why_host_gone())
+            if end is not None:
+                return end
+            self._set_host_state("waiting")
+
     async def _interrupt(self) -> InterruptResult:
         if self._state != "running" or self._interrupt_pending or self._continuing:
             return InterruptResult(interrupted=False, last_seq=self._flushed_seq)
@@ -473,6 +566,7 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
             refusal=ref,
             stop_reason=self._result.reason if self._result else None,
             note=refusal.NOT_CONTINUABLE if (ref and self._kind != "chat") else None,
+            host=self._host,
         )
 
     def _carry(self, stream_state: Any) -> ThreadCarry:
@@ -491,6 +585,8 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
             runs=self._runs + 1,
             notified=self._notified,
             stream_state=stream_state,
+            host=self._host,
+            shells=dict(self._shells),
         )
 
     def _trim_stream(self) -> None:
@@ -507,3 +603,10 @@ class TurnEngine(LedgerMixin, RefusalMixin, SubtaskMixin):
         return info.is_continue_as_new_suggested() or (
             info.get_current_history_length() >= self._inp.limits.continue_as_new_after_events
         )
+
+
+def _failure(handle: Any) -> BaseException | None:
+    """The exception a finished handle ended with, if any."""
+    if handle.cancelled():
+        return None
+    return handle.exception()

@@ -16,7 +16,9 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
+from stopline.workflows._placement import HostLost
 from stopline.workflows._state import FLUSH_RETRY, Counters, written_paths
 
 with workflow.unsafe.imports_passed_through():
@@ -29,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         TaskEvent,
         ToolCall,
     )
+    from stopline.core.policies import background_shell_id
     from stopline.core.task_tools import TASK_TOOL_NAMES
 
 
@@ -45,26 +48,63 @@ class LedgerMixin:
     _inbox: list[str]
     _increments_inbox: list[tuple[str, str]]
     _unaccepted: list[int]
+    _shells: dict[str, str]
+    _host: Any
+    # _host_queue, _host_bound, _host_gone, _why_host_gone, _mark_host_lost and
+    # _lost_host_of come from PlacementMixin (stubs here would shadow them).
 
-    async def _flush(self, *, kill_calls: list[str] | None = None, close_shells: bool = False) -> None:
-        """Append pending rows to the ledger file and fsync (one activity)."""
+    async def _flush(
+        self,
+        *,
+        kill_calls: list[str] | None = None,
+        close_shells: bool = False,
+        release: bool = False,
+    ) -> None:
+        """Append pending rows to the host's ledger file and fsync (one activity).
+
+        Args:
+            kill_calls: Calls whose process groups must be gone (SIGKILL).
+            close_shells: Close the thread's background shells (a task that
+                completed normally).
+            release: End the thread's host session on the host (it is done
+                with the host; frees its capacity slot at once).
+
+        Raises:
+            HostLost: The host is gone (the flush was never picked up, or the
+                host's session ended while waiting); the rows stay pending and
+                ride on the next activity, on the next host.
+            ActivityError: The flush itself failed (a ledger the host cannot
+                repair); the caller ends the thread with the reason.
+        """
         pending = self._pending_rows()
-        if not pending and not kill_calls and not close_shells:
+        if not pending and not kill_calls and not close_shells and not release:
             return
-        last = await workflow.execute_activity(
+        handle = workflow.start_activity(
             LEDGER_FLUSH_ACTIVITY,
             LedgerFlushInput(
                 task_id=workflow.info().workflow_id,
                 rows=pending,
                 kill_calls=kill_calls or [],
                 close_shells=close_shells,
+                release_session=release,
             ),
             result_type=int,
-            task_queue=self._inp.host_task_queue,
+            task_queue=self._host_queue(),
+            **self._host_bound(),
             start_to_close_timeout=timedelta(seconds=30),
             retry_policy=FLUSH_RETRY,
             summary="ledger flush",
         )
+        await workflow.wait_condition(lambda: handle.done() or self._host_gone_now())
+        if not handle.done():
+            raise HostLost(self._why_host_gone())
+        try:
+            last = handle.result()
+        except ActivityError as err:
+            if self._lost_host_of(err):
+                self._mark_host_lost("a ledger write on it was never picked up")
+                raise HostLost(self._why_host_gone()) from None
+            raise
         self._flushed_seq = max(self._flushed_seq, last)
 
     def _append(self, kind: RowKind, *, model_visible: bool = True, **fields: Any) -> LedgerRow:
@@ -103,6 +143,10 @@ class LedgerMixin:
         )
         if staged and call.name not in TASK_TOOL_NAMES:
             self._staged[row.seq] = f"call-{call.id}"
+        if (call.name == "shell" and outcome.ok and not outcome.aborted and self._host is not None
+                and (call.arguments or {}).get("background") is True):
+            # remember where it runs: a lost host takes its shells with it
+            self._shells[background_shell_id(workflow.info().workflow_id, call.id)] = self._host.host_id
         self._n.last_tool_outcome = outcome.text
         if outcome.ok and call.name in ("write_file", "apply_patch") and call.arguments:
             self._n.changed_paths.extend(written_paths(call))

@@ -51,6 +51,11 @@ class RefusalMixin:
                   "candidate": self._candidate, "persisted": result.raw_stop_reason == "persisted"},
         )
         self._publish("refusal", text=f"{ref.provider} {ref.category or ''}".strip())
+        if result.raw_stop_reason == "persisted":
+            # A refusal stop recorded earlier in this task's chain (a run a
+            # reset abandoned, a lost disk): the task stays stopped, whatever
+            # its kind — even a fix task does not switch (DESIGN §4, §7).
+            return self._stop_refused(result)
         d = refusal.disposition(
             self._kind,
             unaccepted_increments=len(self._unaccepted),

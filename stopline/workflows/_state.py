@@ -43,6 +43,9 @@ class End:
     status: str
     reason: str
     refused: bool = False
+    #: The thread cannot go on at all (no host reaches its workspace): a
+    #: chat thread ends too, not just the turn.
+    final: bool = False
 
 
 @dataclass

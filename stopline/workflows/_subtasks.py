@@ -51,6 +51,8 @@ class SubtaskMixin:
     _inp: Any
     _children: dict[str, Child]
     _unaccepted: list[int]
+    _host: Any
+    _fleet: bool
 
     async def _run_task_tool(self, call: ToolCall) -> RespondToModel:
         """Run a sub-task tool in the workflow (child workflows)."""
@@ -88,6 +90,10 @@ class SubtaskMixin:
                 workspace=self._inp.workspace,
                 limits=limits,
                 host_task_queue=self._inp.host_task_queue,
+                # on this task's host by default: the same workspace, and the
+                # sub-task shares this task's capacity slot there (DESIGN §7)
+                host=self._host.host_id if self._host is not None else None,
+                parent_task_id=parent,
                 stream=self._inp.stream,
                 route="subagent",
                 execution_scope="worker",
@@ -173,7 +179,9 @@ class SubtaskMixin:
             TASK_MESSAGE_ACTIVITY,
             TaskMessageInput(task_id=args.id, text=args.text),
             result_type=ToolOutcome,
-            task_queue=self._inp.host_task_queue,
+            # an Update on another workflow: any worker can send it, so it
+            # runs on the workflow task queue, not on this thread's host
+            task_queue=self._inp.host_task_queue if not self._fleet else workflow.info().task_queue,
             start_to_close_timeout=timedelta(seconds=60),
             retry_policy=TOOL_RETRY,
             summary=f"task_message {args.id}",

@@ -14,9 +14,11 @@ import asyncio
 
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
+from temporalio.exceptions import ActivityError
 
 from stopline.workflows._engine import TurnEngine
-from stopline.workflows._state import End
+from stopline.workflows._placement import HostLost
+from stopline.workflows._state import End, activity_failure_reason
 
 with workflow.unsafe.imports_passed_through():
     from stopline.core import refusal
@@ -50,20 +52,18 @@ class AgentTask(TurnEngine):
         Returns:
             The task result; the workflow completes for every outcome.
         """
-        self._upsert("running")
         if inp.carry is None:
             self._append("prompt", text=inp.prompt)
         try:
-            while True:
-                end = await self._run_turn()
+            end = await self._place()
+            while end is None:
+                self._set_host_state("running")
+                end = await self._turn()
                 if end is not None:
                     break
                 # The turn was interrupted: wait for the user's next message.
-                self._state = "waiting"
-                self._upsert("waiting")
-                await workflow.wait_condition(lambda: bool(self._inbox))
-                self._state = "running"
-                self._upsert("running")
+                self._set_host_state("waiting")
+                end = await self._wait_for_message()
         except asyncio.CancelledError:
             # task_stop / workflow cancel: a stop, recorded like any other —
             # the turn in flight is aborted as an interrupt would abort it.
@@ -82,7 +82,11 @@ class AgentTask(TurnEngine):
         if not self._should_continue_as_new():
             return
         self._continuing = True
-        await self._flush()
+        try:
+            await self._flush()
+        except HostLost:
+            self._continuing = False
+            raise
         self._trim_stream()
         inp = self._inp
         await self._stream.continue_as_new(
@@ -95,7 +99,19 @@ class AgentTask(TurnEngine):
                      meta={"outcome": end.status, "refused": end.refused})
         # A normal finish closes unattended background shells; a refused (or
         # otherwise stopped) task leaves the scene as it is (seed 000 §3).
-        await self._flush(close_shells=end.status == "completed")
+        # The same flush releases the host session: the slot is free at once.
+        unflushed: list[LedgerRow] = []
+        self._releasing = True
+        try:
+            await self._flush(close_shells=end.status == "completed", release=True)
+        except HostLost:
+            # No host to write to (it was lost, or none was ever claimed):
+            # the rows enter history with the result (DESIGN §7).
+            unflushed = self._pending_rows()
+        except ActivityError as err:
+            unflushed = self._pending_rows()
+            if end.status != "failed":
+                end = End("failed", f"the ledger could not be written: {activity_failure_reason(err)}")
         evidence = None
         if end.status == "stopped":
             evidence = refusal.stop_evidence(
@@ -116,6 +132,8 @@ class AgentTask(TurnEngine):
             provider_calls=self._n.provider_calls,
             refusal=self._refusal_info() if end.refused else None,
             evidence=evidence,
+            host_id=self._host.host_id if self._host else None,
+            unflushed_rows=unflushed,
         )
         self._state = end.status
         self._upsert(end.status)
@@ -130,6 +148,7 @@ class AgentTask(TurnEngine):
                 refused=self._refusal_stop is not None,
                 kind="task",
                 model=self._inp.model,
+                host=self._host_attribute(),
             )
         )
 

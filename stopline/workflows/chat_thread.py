@@ -19,8 +19,11 @@ import asyncio
 
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
+from temporalio.exceptions import ActivityError
 
 from stopline.workflows._engine import TurnEngine
+from stopline.workflows._placement import HostLost
+from stopline.workflows._state import End, activity_failure_reason
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
@@ -62,11 +65,14 @@ class ChatThread(TurnEngine):
     @workflow.run
     async def run(self, inp: ChatThreadInput) -> AgentTaskResult:
         """Serve turns until ``close``; continue-as-new when history grows."""
-        self._state = "waiting"
-        self._upsert("waiting")
         status, reason = "completed", "thread closed"
         try:
-            await self._serve(inp)
+            end = await self._place()
+            if end is None:
+                self._set_host_state("waiting")
+                end = await self._serve(inp)
+            if end is not None:
+                status, reason = end.status, end.reason
         except asyncio.CancelledError:
             # `stopline stop` / workflow cancel: abort the turn in flight the
             # way an interrupt would, then end as stopped, recorded.
@@ -74,7 +80,15 @@ class ChatThread(TurnEngine):
             status, reason = "stopped", "thread stopped"
         self._append("system", model_visible=False, text=f"thread {status}: {reason}",
                      meta={"outcome": status})
-        await self._flush()
+        unflushed: list[LedgerRow] = []
+        self._releasing = True
+        try:
+            await self._flush(release=True)
+        except HostLost:
+            unflushed = self._pending_rows()  # no host: the rows go with the result
+        except ActivityError as err:
+            unflushed = self._pending_rows()
+            status, reason = "failed", f"the ledger could not be written: {activity_failure_reason(err)}"
         self._state = status
         self._result = AgentTaskResult(
             task_id=workflow.info().workflow_id,
@@ -83,22 +97,38 @@ class ChatThread(TurnEngine):
             rounds=self._n.rounds,
             final_text=self._n.final_text,
             provider_calls=self._n.provider_calls,
+            host_id=self._host.host_id if self._host else None,
+            unflushed_rows=unflushed,
         )
         self._upsert(status)
         self._publish("task_finished", text=reason, result=self._result)
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._result
 
-    async def _serve(self, inp: ChatThreadInput) -> None:
+    async def _serve(self, inp: ChatThreadInput) -> End | None:
         """One turn per user message until ``close``; every turn's ending is
-        a ledger row (hidden from the model) and a ``turn_finished`` event."""
+        a ledger row (hidden from the model) and a ``turn_finished`` event.
+
+        Returns:
+            ``None`` when closed; ``End`` when the thread cannot go on (its
+            host was lost and no other reaches its workspace).
+        """
         while True:
-            await workflow.wait_condition(lambda: bool(self._inbox) or self._closing)
+            await workflow.wait_condition(
+                lambda: bool(self._inbox) or self._closing or self._host_gone()
+            )
+            if self._host_gone() and not self._inbox:
+                lost = await self._recover_host(self._why_host_gone())
+                if lost is not None:
+                    return lost
+                self._set_host_state("waiting")
+                continue
             if self._closing and not self._inbox:
-                return
-            self._state = "running"
-            self._upsert("running")
-            end = await self._run_turn()
+                return None
+            self._set_host_state("running")
+            end = await self._turn()
+            if end is not None and end.final:
+                return end
             self._state = "waiting"
             outcome = TurnOutcome(
                 status=end.status if end else "interrupted",
@@ -110,7 +140,10 @@ class ChatThread(TurnEngine):
             self._append("system", model_visible=False,
                          text=f"turn {outcome.turn} {outcome.status}: {outcome.reason}",
                          meta={"outcome": outcome.status, "turn": outcome.turn})
-            await self._flush()
+            try:
+                await self._flush()
+            except HostLost as lost:
+                self._mark_host_lost(lost.why)  # rows stay pending; recovered above
             self._turns.append(outcome)
             self._publish("turn_finished", text=outcome.reason)
             self._upsert("waiting")
@@ -124,7 +157,7 @@ class ChatThread(TurnEngine):
         workflow.upsert_search_attributes(
             search_attribute_updates(
                 status=status, refused=self._refusal_stop is not None, kind="chat",
-                model=self._inp.model,
+                model=self._inp.model, host=self._host_attribute(),
             )
         )
 

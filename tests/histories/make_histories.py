@@ -210,7 +210,7 @@ async def _run_one(client: Client, name: str) -> Path:
         workspace.mkdir()
         os.environ["STOPLINE_HOME"] = str(home)  # activities read it per call
         task_queue = f"histories-{name}"
-        workers = build_workers(client, load_settings(), task_queue=task_queue, host_task_queue=task_queue)
+        workers = build_workers(client, load_settings(), task_queue=task_queue)
         runs = [asyncio.create_task(w.run()) for w in workers]
         ctx = Ctx(client=client, task_queue=task_queue, task_id=name, workspace=workspace)
         try:

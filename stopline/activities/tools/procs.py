@@ -255,11 +255,24 @@ def pipe_holders(fd: int) -> list[int]:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """The process group of a running foreground call (as stored on disk)."""
+    """The process group of a running foreground call (as stored on disk).
+
+    A pid names a process only on one host, in one boot, in one PID
+    namespace: the record carries all three, and only a worker of the same
+    host, boot and namespace ever signals it (DESIGN §7).
+    """
 
     pgid: int
     pid: int
     started_at: float
+    host_id: str = ""
+    boot_id: str = ""
+    pid_ns: str = ""
+
+
+def _ours(data: dict, owner: tuple[str, str, str]) -> bool:
+    """Whether a record was written by this host, in this boot and namespace."""
+    return (data.get("host_id"), data.get("boot_id"), data.get("pid_ns")) == owner
 
 
 def record_call(settings: Settings, task_id: str, call_id: str, *, pid: int, pgid: int) -> CallRecord:
@@ -275,10 +288,16 @@ def record_call(settings: Settings, task_id: str, call_id: str, *, pid: int, pgi
     Returns:
         The record written (``started_at`` in Unix seconds).
     """
-    rec = CallRecord(pgid=pgid, pid=pid, started_at=time.time())
+    from stopline.activities.host import boot_id, host_id_for, pid_namespace
+
+    rec = CallRecord(
+        pgid=pgid, pid=pid, started_at=time.time(),
+        host_id=host_id_for(settings.home), boot_id=boot_id(), pid_ns=pid_namespace(),
+    )
     write_json_atomic(
         call_record_path(settings, task_id, call_id),
-        {"pgid": rec.pgid, "pid": rec.pid, "started_at": rec.started_at},
+        {"pgid": rec.pgid, "pid": rec.pid, "started_at": rec.started_at,
+         "host_id": rec.host_id, "boot_id": rec.boot_id, "pid_ns": rec.pid_ns},
     )
     return rec
 
@@ -317,12 +336,19 @@ def kill_call_groups(
 
     Returns:
         The pgids that were signalled (groups already gone are not listed).
+        A record another host, boot or PID namespace wrote is never acted on
+        (its pid means another process here) and is left in place.
     """
     settings = settings or load_settings()
+    from stopline.activities.host import boot_id, host_id_for, pid_namespace
+
+    owner = (host_id_for(settings.home), boot_id(), pid_namespace())
     signalled: list[int] = []
     for call_id in call_ids:
         path = call_record_path(settings, task_id, call_id)
         data = read_json(path)
+        if data is not None and not _ours(data, owner):
+            continue
         if data is not None:
             try:
                 pgid = int(data["pgid"])
@@ -341,4 +367,35 @@ def kill_call_groups(
             path.unlink()
         except FileNotFoundError:
             pass
+    return signalled
+
+
+def reap_orphan_calls(settings: Settings | None = None) -> list[int]:
+    """SIGKILL the groups of foreground calls a dead worker of this host left.
+
+    Run once when a worker starts on a home it holds the lock of: every
+    record there belongs to a process that is gone, so every call it names
+    is lost (DESIGN §5) and its group must not go on writing. Records of
+    another boot name processes that no longer exist and are removed;
+    records of another PID namespace are left alone (not ours to read).
+
+    Returns:
+        The pgids that were signalled.
+    """
+    settings = settings or load_settings()
+    from stopline.activities.host import boot_id, host_id_for, pid_namespace
+
+    owner = (host_id_for(settings.home), boot_id(), pid_namespace())
+    signalled: list[int] = []
+    root = settings.procs_dir
+    for path in sorted(root.glob("*/*.json")) if root.is_dir() else []:
+        data = read_json(path)
+        if data is None:
+            continue
+        if data.get("host_id") == owner[0] and data.get("boot_id") != owner[1]:
+            path.unlink(missing_ok=True)  # a previous boot: its processes are gone
+            continue
+        if not _ours(data, owner):
+            continue
+        signalled += kill_call_groups(path.parent.name, [path.stem], settings=settings)
     return signalled

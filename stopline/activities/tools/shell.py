@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import os
 import re
 import shlex
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from stopline.core.contracts import RespondToModel
+from stopline.core.policies import background_shell_id
 from stopline.settings import Settings, load_settings
 
 from ._context import ToolContext
@@ -469,8 +469,9 @@ _BACKGROUND_LOCK = threading.Lock()
 
 
 def shell_id_for(task_id: str, call_id: str) -> str:
-    """The background shell id a call gets: ``sh-`` + 8 hex digits, stable per (task, call)."""
-    return "sh-" + hashlib.sha1(f"{task_id}\0{call_id}".encode()).hexdigest()[:8]
+    """The background shell id a call gets (see
+    :func:`stopline.core.policies.background_shell_id`)."""
+    return background_shell_id(task_id, call_id)
 
 
 def _record_path(settings: Settings, task_id: str, shell_id: str) -> Path:
