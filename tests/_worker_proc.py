@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -41,11 +42,24 @@ class WorkerProc:
         log_path: Where its stdout and stderr go.
     """
 
-    def __init__(self, address: str, home: Path, task_queue: str, log_path: Path) -> None:
+    def __init__(
+        self,
+        address: str,
+        home: Path,
+        task_queue: str,
+        log_path: Path,
+        *,
+        hostname: str | None = None,
+        hide: tuple[Path, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.address = address
         self.home = home
         self.task_queue = task_queue
         self.log_path = log_path
+        self.hostname = hostname
+        self.hide = hide
+        self.extra_env = env or {}
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -69,10 +83,24 @@ class WorkerProc:
             STOPLINE_TASK_QUEUE=self.task_queue,
             PYTHONUNBUFFERED="1",
         )
+        env.update(self.extra_env)
+        argv = [sys.executable, "-m", "stopline.worker.main"]
+        if self.hostname is not None or self.hide:
+            # Another host: its own UTS namespace (its own hostname) and
+            # mount namespace, where each hidden directory is covered by an
+            # empty tmpfs (a path this host does not have). unshare and sh
+            # exec in place, so the PID we hold is the worker's.
+            steps = []
+            if self.hostname is not None:
+                steps.append(f"hostname {shlex.quote(self.hostname)}")
+            steps += [f"mount -t tmpfs tmpfs {shlex.quote(str(d))}" for d in self.hide]
+            steps.append("exec " + " ".join(shlex.quote(a) for a in argv))
+            argv = ["unshare", "--uts", "--mount", "--propagation", "private",
+                    "sh", "-c", " && ".join(steps)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "stopline.worker.main"],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
