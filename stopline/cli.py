@@ -46,7 +46,6 @@ from stopline.core.contracts import (
     AgentTaskResult,
     InterruptResult,
     LedgerRow,
-    MessageAck,
     TaskEvent,
     TaskLimits,
     TaskStatus,
@@ -438,6 +437,9 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
             "refusal": st.refusal.model_dump() if st and st.refusal else None,
             "stop_reason": st.stop_reason if st else None,
             "note": st.note if st else None,
+            "host": (
+                {"host_id": st.host.host_id, "hostname": st.host.hostname} if st and st.host else None
+            ),
         }
         if args.json:
             print(json.dumps(out))
@@ -449,15 +451,9 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(go())
 
 
-def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
-    """`stopline transcript`: print the task's ledger file."""
-    from stopline.activities.ledger import LedgerStore
-
-    rows: list[LedgerRow] = LedgerStore(settings.ledger_dir).read(args.id)
-    if not rows:
-        raise UsageError(f"no ledger for {args.id} under {settings.ledger_dir}")
+def _print_rows(rows: list[LedgerRow], as_json: bool) -> None:
     for row in rows:
-        if args.json:
+        if as_json:
             print(row.model_dump_json())
             continue
         vis = "" if row.model_visible else " [dim](hidden from model)[/dim]"
@@ -469,7 +465,105 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
             console.print(row.text, markup=False)
         for call in row.tool_calls:
             console.print(f"  → {call.name}({call.raw_arguments[:300]})", markup=False)
-    return 0
+
+
+def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline transcript`: a task's ledger, rebuilt from its Temporal history.
+
+    Served through Temporal, not read from a host's disk (DESIGN §7): it
+    works from any machine that reaches the server, whichever host ran the
+    task and whatever that host's disk still holds. ``--all-runs`` also
+    shows the branches resets abandoned, one run at a time, for audit.
+    """
+    from temporalio.service import RPCError
+
+    from stopline.activities.history import rows_from_history
+    from stopline.core.search_attributes import literal
+
+    async def go() -> int:
+        client = await _client(settings)
+        if not args.all_runs:
+            try:
+                rows = await rows_from_history(client, args.id, None)
+            except RPCError as err:
+                raise UsageError(f"no task {args.id}: {err.message}") from None
+            _print_rows(rows, args.json)
+            return 0
+        runs = [wf async for wf in client.list_workflows(f"WorkflowId = {literal(args.id)}")]
+        if not runs:
+            raise UsageError(f"no task {args.id}")
+        latest = runs[0].run_id
+        for wf in sorted(runs, key=lambda w: w.start_time):
+            rows = await rows_from_history(client, args.id, wf.run_id)
+            label = "current" if wf.run_id == latest else (wf.status.name.lower() if wf.status else "?")
+            if args.json:
+                print(json.dumps({"run_id": wf.run_id, "run": label, "rows": len(rows)}))
+            else:
+                console.print(f"[bold]── run {wf.run_id} ({label}, started {wf.start_time:%Y-%m-%d %H:%M:%S})[/bold]")
+            _print_rows(rows, args.json)
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_move(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline move ID [--to HOST]`: move a task to another host (the ``move`` Update).
+
+    For an operator with a stuck task: one waiting for a host that will not
+    come (re-target it), or one on a host that must be drained. The target
+    must hold the same workspace; a task that cannot move stays put.
+    """
+    from temporalio.client import WorkflowUpdateFailedError
+
+    async def go() -> int:
+        _, handle = await _handle(settings, args.id)
+        try:
+            said = await handle.execute_update("move", args.to, result_type=str)
+        except WorkflowUpdateFailedError as err:
+            raise UsageError(str(getattr(err.cause, "message", None) or err.cause or err)) from None
+        console.print(said)
+        return 0
+
+    return asyncio.run(go())
+
+
+def cmd_hosts(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline hosts`: the live hosts of the pool and how many tasks each holds.
+
+    Hosts are read from Temporal's own view of who polls the workflow task
+    queue (each worker's identity names its host id); the task counts from
+    the ``StoplineHost`` search attribute of running workflows.
+    """
+    from stopline.activities.host import describe_hosts
+    from stopline.core.search_attributes import literal
+
+    async def go() -> int:
+        client = await _client(settings)
+        hosts = await describe_hosts(client, settings.task_queue, max_age_s=args.max_age)
+        rows = []
+        for h in hosts:
+            count = await client.count_workflows(
+                f"StoplineHost = {literal(h.host_id)} AND ExecutionStatus = 'Running'"
+            )
+            rows.append({
+                "host_id": h.host_id, "hostname": h.hostname, "capacity": h.capacity,
+                "tasks": count.count, "task_queue": h.task_queue,
+                "last_seen": h.last_seen.isoformat() if h.last_seen else None,
+            })
+        if args.json:
+            for r in rows:
+                print(json.dumps(r))
+            return 0
+        if not rows:
+            console.print(f"no live host polls task queue {settings.task_queue}")
+            return 0
+        console.print(f"{'HOST':16} {'HOSTNAME':24} {'TASKS':>9}  LAST SEEN")
+        for r in rows:
+            cap = r["capacity"] if r["capacity"] is not None else "?"
+            console.print(f"{r['host_id']:16} {r['hostname']:24} {str(r['tasks']) + '/' + str(cap):>9}  {r['last_seen']}")
+        return 0
+
+    return asyncio.run(go())
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -808,13 +902,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, fn, hlp in (
         ("status", cmd_status, "a task's state"),
-        ("transcript", cmd_transcript, "a task's ledger"),
+        ("transcript", cmd_transcript, "a task's ledger, from its Temporal history"),
         ("interrupt", cmd_interrupt, "abort a task's current turn"),
     ):
         c = sub.add_parser(name, help=hlp)
         c.add_argument("id")
         c.add_argument("--json", action="store_true")
+        if name == "transcript":
+            c.add_argument("--all-runs", action="store_true",
+                           help="every run of the task, the branches resets abandoned included")
         c.set_defaults(fn=fn)
+
+    mv = sub.add_parser("move", help="move a task to another host (an operator's tool for a stuck task)")
+    mv.add_argument("id")
+    mv.add_argument("--to", metavar="HOST", help="the target host id (default: any other live host)")
+    mv.set_defaults(fn=cmd_move)
+
+    hs = sub.add_parser("hosts", help="the live hosts of the pool and the tasks each holds")
+    hs.add_argument("--json", action="store_true")
+    hs.add_argument("--max-age", type=float, default=90.0, metavar="S",
+                    help="leave out hosts not seen for S seconds (default 90)")
+    hs.set_defaults(fn=cmd_hosts)
 
     m = sub.add_parser("message", help="send a task a user message")
     m.add_argument("id")

@@ -160,6 +160,18 @@ def _texts(body: dict[str, Any]) -> str:
     return json.dumps(body["messages"])
 
 
+def _cli(fleet: Fleet, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``stopline ...`` from "another machine": its own empty home, no worker."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STOPLINE_")}
+    env.update(TEMPORAL_ADDRESS=fleet.address, STOPLINE_HOME=str(home),
+               STOPLINE_TASK_QUEUE=fleet.task_queue)
+    return subprocess.run([sys.executable, "-m", "stopline.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=60)
+
+
 # ----------------------------------------------------------------- placement
 
 
@@ -190,6 +202,18 @@ async def test_a_client_without_a_worker_runs_on_the_pool_and_a_pin_runs_where_a
     desc = await second.describe()
     assert desc.typed_search_attributes.get(sa.HOST) == b_id
     assert desc.typed_search_attributes.get(sa.STATUS) == "completed"
+
+    # from a machine with an empty home: the transcript comes from Temporal
+    laptop = fleet.root / "laptop"
+    res = await asyncio.to_thread(_cli, fleet, laptop, "transcript", second.id, "--json")
+    assert res.returncode == 0, res.stderr
+    served = [LedgerRow.model_validate_json(line) for line in res.stdout.splitlines()]
+    assert served == _rows(b.home, second.id)
+    res = await asyncio.to_thread(_cli, fleet, laptop, "hosts", "--json")
+    assert res.returncode == 0, res.stderr
+    listed = {h["host_id"]: h for h in map(json.loads, res.stdout.splitlines())}
+    assert set(listed) == {host_id_for(a.home), b_id}
+    assert listed[b_id]["hostname"] == "host-b" and listed[b_id]["capacity"] == 8
 
 
 async def test_a_full_pool_makes_a_task_wait_visibly_for_a_host(
@@ -389,6 +413,11 @@ async def test_reset_forks_the_ledger_and_the_model_never_sees_the_abandoned_bra
     assert [r.seq for r in rows] == list(range(1, len(rows) + 1))
     (fork,) = store.forks(handle.id)
     assert any(r.text == "ABANDONED-BRANCH" for r in fork)  # kept for audit
+    res = await asyncio.to_thread(_cli, fleet, fleet.root / "laptop", "transcript", handle.id)
+    assert res.returncode == 0 and "ABANDONED" not in res.stdout, res.stdout + res.stderr
+    res = await asyncio.to_thread(
+        _cli, fleet, fleet.root / "laptop", "transcript", handle.id, "--all-runs")
+    assert res.returncode == 0 and "ABANDONED-BRANCH" in res.stdout, res.stdout + res.stderr
 
 
 def first_run(handle: Any) -> str:
@@ -470,3 +499,41 @@ def test_a_call_record_from_another_host_is_never_acted_on(tmp_path: Path, monke
     finally:
         victim.kill()
         victim.wait()
+
+
+# ------------------------------------------------------------ an operator's move
+
+
+async def test_an_operator_moves_a_waiting_task_and_a_running_one(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, fleet: Fleet,
+) -> None:
+    a = await fleet.start("host-a", STOPLINE_HOST_CAPACITY="1")
+    b = await fleet.start("host-b")
+    a_id, b_id = host_id_for(a.home), host_id_for(b.home)
+    busy = scripted(scenario("anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "touch busy; sleep 8; hostname"})])),
+        entry(anthropic_message(tool_calls=[("c2", "shell", {"command": "hostname"})])),
+        entry(anthropic_message("done"))))
+    stuck = scripted(scenario("anthropic", entry(anthropic_message("ran somewhere"))))
+    first = await _start(client, task_queue, busy, workspace, host=a_id)
+    await _until(lambda: (workspace / "busy").exists(), "the first task's tool on A")
+    second = await _start(client, task_queue, stuck, workspace, host=a_id)  # A is full
+    await asyncio.sleep(1.0)
+    assert (await second.query("status", result_type=TaskStatus)).state == "waiting_for_host"
+
+    res = await asyncio.to_thread(_cli, fleet, fleet.root / "laptop", "move", second.id, "--to", b_id)
+    assert res.returncode == 0 and "waits to host" in res.stdout, res.stdout + res.stderr
+    res = await asyncio.to_thread(_cli, fleet, fleet.root / "laptop", "move", first.id, "--to", b_id)
+    assert res.returncode == 0 and "next round boundary" in res.stdout, res.stdout + res.stderr
+    r1, r2 = await _result(first, fleet), await _result(second, fleet)
+
+    assert (r1.status, r2.status) == ("completed", "completed"), (r1, r2)
+    assert r2.host_id == b_id and r1.host_id == b_id
+    reqs = busy.requests()
+    assert "host-a" in _texts(reqs[1]["body"])  # round 1 ran on A
+    assert "host-b" in _texts(reqs[2]["body"])  # round 2 on B after the move
+    rows = _rows(b.home, first.id)  # rebuilt on B from history
+    assert any(r.kind == "system" and "moved from host" in (r.text or "") for r in rows)
+    assert not any(r.kind == "host_lost" for r in rows)  # nothing was lost
+    res = await asyncio.to_thread(_cli, fleet, fleet.root / "laptop", "move", first.id)
+    assert res.returncode == 2 and "completed" in res.stderr, res.stdout + res.stderr

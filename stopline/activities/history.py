@@ -37,6 +37,7 @@ from stopline.core.contracts import (
     ToolCallInput,
     ToolOutcome,
 )
+from stopline.core.search_attributes import literal
 
 #: A task's run chain: (workflow id, run id) -> refusal in another run, or None.
 _guard_cache: dict[tuple[str, str], RefusalInfo | None] = {}
@@ -160,11 +161,6 @@ async def rows_from_history(client: Any, workflow_id: str, run_id: str | None = 
     return out
 
 
-def _quote(value: str) -> str:
-    """A visibility-query string literal."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 async def chain_refusal(client: Any, workflow_id: str, run_id: str, chain_id: str) -> RefusalInfo | None:
     """A refusal stop recorded in another run of this task's chain, if any.
 
@@ -190,7 +186,7 @@ async def chain_refusal(client: Any, workflow_id: str, run_id: str, chain_id: st
     if key in _guard_cache:
         return _guard_cache[key]
     found: RefusalInfo | None = None
-    query = f"WorkflowId = {_quote(workflow_id)} AND StoplineRefused = true"
+    query = f"WorkflowId = {literal(workflow_id)} AND StoplineRefused = true"
     async for wf in client.list_workflows(query):
         if wf.run_id == run_id:
             continue

@@ -105,6 +105,11 @@ def cli_commands(namespace: str = "default") -> list[str]:
     ]
 
 
+def literal(value: str) -> str:
+    """``value`` as a string literal in a visibility query (quotes escaped)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def updates(
     *,
     status: str | None = None,

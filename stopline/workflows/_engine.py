@@ -145,6 +145,9 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         self._quarantine_used = 0
         self._turn_text = ""
         while True:
+            moved = await self._maybe_move()
+            if moved is not None:
+                return moved
             await self._at_round_boundary()
             self._drain_inbox()
             if self._n.rounds >= limits.max_rounds:
@@ -534,10 +537,15 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         """Wait for the next user message; a host lost meanwhile is
         recovered (moved, or the thread stops) — never a silent hang."""
         while True:
-            await workflow.wait_condition(lambda: bool(self._inbox) or self._host_gone())
+            await workflow.wait_condition(
+                lambda: bool(self._inbox) or self._host_gone() or self._move_requested
+            )
             if self._inbox:
                 return None
-            end = await self._recover_host(self._why_host_gone())
+            if self._host_gone():
+                end = await self._recover_host(self._why_host_gone())
+            else:
+                end = await self._maybe_move()
             if end is not None:
                 return end
             self._set_host_state("waiting")

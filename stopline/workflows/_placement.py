@@ -101,6 +101,8 @@ class PlacementMixin:
         self._fleet = False
         self._releasing = False
         self._lost_why: str | None = None
+        self._move_requested = False
+        self._move_target: str | None = None
         #: background shell id -> host id that runs it
         self._shells: dict[str, str] = dict(carry.shells) if carry else {}
 
@@ -200,9 +202,17 @@ class PlacementMixin:
 
     async def _claim_one_of(
         self, queues: list[str], *, marker: str | None, schedule_to_start_s: float | None,
-        wait_s: float,
+        wait_s: float, movable: bool = False,
     ) -> tuple[HostClaim | None, str]:
         """Start a session on each queue at once; the first claim wins.
+
+        Args:
+            queues: Host queues (or the pool's) to try.
+            marker: Workspace marker the host must hold (``None``: any).
+            schedule_to_start_s: How long each session may wait to be
+                picked up (``None``: no bound, e.g. the pool's queue).
+            wait_s: How long to wait for a claim in all.
+            movable: An operator's ``move`` stops the wait (placement).
 
         Returns:
             ``(claim, "")``, or ``(None, why)`` when none claimed in ``wait_s``.
@@ -218,7 +228,8 @@ class PlacementMixin:
 
         try:
             await workflow.wait_condition(
-                lambda: claimed() is not None or all(h.done() for _, h in tries),
+                lambda: claimed() is not None or all(h.done() for _, h in tries)
+                or (movable and self._move_requested),
                 timeout=timedelta(seconds=wait_s),
             )
         except asyncio.TimeoutError:
@@ -260,23 +271,128 @@ class PlacementMixin:
                 return end
         else:
             self._set_host_state("waiting_for_host")
-            if self._inp.host:
-                queue = host_task_queue(info.task_queue, self._inp.host)
-                claim, why = await self._claim_one_of(
-                    [queue], marker=None, schedule_to_start_s=limits.claim_timeout_s,
-                    wait_s=limits.placement_timeout_s,
-                )
-                if claim is None:
-                    return End("stopped", f"host {self._inp.host} did not take the task: {why}", final=True)
-            else:
-                claim, why = await self._claim_one_of(
-                    [pool_task_queue(info.task_queue)], marker=None, schedule_to_start_s=None,
-                    wait_s=limits.placement_timeout_s,
-                )
-                if claim is None:
-                    return End("stopped", f"no host took the task: {why}", final=True)
+            pin = self._inp.host
+            while True:
+                if self._move_requested:  # an operator re-targeted the waiting task
+                    pin, self._move_requested = self._move_target, False
+                if pin:
+                    claim, why = await self._claim_one_of(
+                        [host_task_queue(info.task_queue, pin)], marker=None,
+                        schedule_to_start_s=limits.claim_timeout_s,
+                        wait_s=limits.placement_timeout_s, movable=True,
+                    )
+                else:
+                    claim, why = await self._claim_one_of(
+                        [pool_task_queue(info.task_queue)], marker=None, schedule_to_start_s=None,
+                        wait_s=limits.placement_timeout_s, movable=True,
+                    )
+                if claim is not None or not self._move_requested:
+                    break
+            if claim is None:
+                where = f"host {pin} did not take the task" if pin else "no host took the task"
+                return End("stopped", f"{where}: {why}", final=True)
         self._took(claim)
         return None
+
+    # ----------------------------------------------------------- a move
+
+    @workflow.update(name="move")
+    async def _move(self, host: str | None = None) -> str:
+        """Move the task to another host (an operator's ``stopline move``).
+
+        Takes effect at once while the task waits for a host, else at its
+        next round boundary (or while it waits for a message): the current
+        host gets the pending rows and its slot back, the target (``host``,
+        or any other live host) must hold the same workspace. A task that
+        cannot move stays where it was.
+
+        Returns:
+            What will happen, in words.
+        """
+        self._move_requested, self._move_target = True, host or None
+        where = f"to host {host}" if host else "to another host"
+        if self._host is None:
+            return f"the task waits for a host; it now waits {where}"
+        return f"the task moves {where} at its next round boundary"
+
+    @_move.validator
+    def _validate_move(self, host: str | None = None) -> None:
+        if self._state not in ("running", "waiting", "waiting_for_host"):
+            raise ValueError(f"task is {self._state}; there is nothing to move")
+        if not self._fleet:
+            raise ValueError("this task was started before placement; it cannot move")
+
+    async def _maybe_move(self) -> End | None:
+        """Apply an operator's move, if one is pending (DESIGN §7)."""
+        if not self._move_requested or self._host is None:
+            return None
+        target, self._move_requested = self._move_target, False
+        old = self._host
+        if target == old.host_id:
+            return None
+        limits: TaskLimits = self._inp.limits
+        info = workflow.info()
+        self._releasing = True
+        try:
+            await self._flush(release=True)  # the old host gets the rows and its slot back
+        except HostLost:
+            pass
+        finally:
+            self._releasing = False
+        self._host, self._session, self._lost_why = None, None, None
+        self._set_host_state("waiting_for_host")
+        if target:
+            queues = [host_task_queue(info.task_queue, target)]
+        else:
+            queues = [h.task_queue for h in await self._live_hosts() if h.host_id != old.host_id]
+        claim, why = (None, "no other live host") if not queues else await self._claim_one_of(
+            queues, marker=old.workspace_marker, schedule_to_start_s=limits.claim_timeout_s,
+            wait_s=limits.claim_timeout_s + 5,
+        )
+        moved = claim is not None
+        if claim is None:
+            claim, _ = await self._claim_one_of(
+                [old.task_queue], marker=old.workspace_marker,
+                schedule_to_start_s=limits.claim_timeout_s, wait_s=limits.claim_timeout_s + 5,
+            )
+            if claim is None:
+                self._host = old
+                return await self._recover_host(f"it was left for a move that failed ({why})")
+        self._took(claim)
+        if not moved:
+            self._append("system", model_visible=False, meta={"host_id": old.host_id},
+                         text=f"move from {old.host_id} failed ({why}); the task stays there")
+            return None
+        shells = sorted(s for s, h in self._shells.items() if h == old.host_id)
+        for s in shells:
+            del self._shells[s]
+        if shells:
+            self._append(
+                "host_lost",
+                text=policies.host_lost_marker(old.host_id, old.hostname, "an operator moved the task", shells),
+                meta={"host_id": old.host_id, "why": "moved", "shells": shells},
+            )
+        self._append("system", model_visible=False,
+                     text=f"moved from host {old.host_id} to {claim.host_id} by an operator",
+                     meta={"host_id": claim.host_id, "moved_from": old.host_id})
+        return None
+
+    async def _live_hosts(self) -> list[HostInfo]:
+        """The live hosts of this workflow task queue (an activity any host runs)."""
+        limits: TaskLimits = self._inp.limits
+        info = workflow.info()
+        try:
+            return await workflow.execute_activity(
+                LIST_HOSTS_ACTIVITY,
+                ListHostsInput(task_queue=info.task_queue, max_age_s=3 * limits.host_lost_after_s),
+                result_type=list[HostInfo],
+                task_queue=info.task_queue,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(maximum_attempts=3),
+                summary="list live hosts",
+            )
+        except ActivityError:
+            return []
 
     def _took(self, claim: HostClaim) -> None:
         self._host = claim
@@ -347,19 +463,7 @@ class PlacementMixin:
                 "stopped", f"host {old.host_id} ({old.hostname}) lost; workspace unavailable "
                 f"(it carries no workspace marker)", final=True,
             )
-        info = workflow.info()
-        try:
-            hosts: list[HostInfo] = await workflow.execute_activity(
-                LIST_HOSTS_ACTIVITY,
-                ListHostsInput(task_queue=info.task_queue, max_age_s=3 * limits.host_lost_after_s),
-                result_type=list[HostInfo],
-                task_queue=info.task_queue,
-                start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=RetryPolicy(maximum_attempts=3),
-                summary="list live hosts",
-            )
-        except ActivityError:
-            hosts = []
+        hosts = await self._live_hosts()
         queues = [old.task_queue] + [h.task_queue for h in hosts if h.host_id != old.host_id]
         claim, reason = await self._claim_one_of(
             queues, marker=old.workspace_marker, schedule_to_start_s=limits.claim_timeout_s,

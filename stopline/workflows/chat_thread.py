@@ -116,9 +116,13 @@ class ChatThread(TurnEngine):
         while True:
             await workflow.wait_condition(
                 lambda: bool(self._inbox) or self._closing or self._host_gone()
+                or self._move_requested
             )
-            if self._host_gone() and not self._inbox:
-                lost = await self._recover_host(self._why_host_gone())
+            if (self._host_gone() or self._move_requested) and not self._inbox:
+                if self._host_gone():
+                    lost = await self._recover_host(self._why_host_gone())
+                else:
+                    lost = await self._maybe_move()
                 if lost is not None:
                     return lost
                 self._set_host_state("waiting")
