@@ -368,6 +368,7 @@ def _limits(args: argparse.Namespace) -> TaskLimits:
         "heartbeat_timeout_s": settings.heartbeat_timeout_s,
         "sampling_timeout_s": settings.sampling_timeout_s,
         "tool_output_cap_bytes": settings.tool_output_cap_bytes,
+        "host_lost_after_s": settings.host_lost_after_s,
     }
     if args.max_rounds is not None:
         kw["max_rounds"] = args.max_rounds

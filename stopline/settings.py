@@ -31,6 +31,11 @@ class Settings(BaseSettings):
             pool makes a new task wait, visibly, for a host.
         host_lost_after_s: Default bound after which a silent host is lost
             (its sessions' heartbeat timeout); per task in ``TaskLimits``.
+        home_slots: When > 0, ``home`` holds that many host homes
+            (``slot-1`` …): a worker takes the first one no live worker
+            holds. For replicas sharing one volume (``docker compose --scale``):
+            a recreated replica takes over a free slot — and with it a dead
+            replica's host id, so that host's tasks come back at once.
         dev_server_port: Port of the embedded dev server's frontend.
         dev_server_ui_port: Port of its web UI.
         interrupt_grace_s: Seconds between an interrupt's cancel request and
@@ -76,6 +81,7 @@ class Settings(BaseSettings):
     task_queue: str = DEFAULT_TASK_QUEUE
     host_capacity: int = 8
     host_lost_after_s: float = 30.0
+    home_slots: int = 0
     dev_server_port: int = 7233
     dev_server_ui_port: int = 8233
     interrupt_grace_s: float = 0.1

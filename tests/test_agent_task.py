@@ -232,7 +232,6 @@ async def test_cli_run_json_against_running_worker(
         "TEMPORAL_ADDRESS": address,
         "STOPLINE_HOME": str(stopline_home),
         "STOPLINE_TASK_QUEUE": task_queue,
-        "STOPLINE_HOST_TASK_QUEUE": task_queue,
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "stopline.cli", "run", "list the files",

@@ -24,7 +24,6 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
         STOPLINE_HOME=str(tmp_path / "home"),
         STOPLINE_DEV_SERVER_PORT=str(free_port()),
         STOPLINE_DEV_SERVER_UI_PORT=str(free_port()),
-        STOPLINE_HOST_TASK_QUEUE=f"host-{tmp_path.name}",
         TMPDIR=str(tmp_path),  # the demo keeps its workspace: keep it in the test's tmp dir
     )
     return env

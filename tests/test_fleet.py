@@ -246,6 +246,25 @@ async def test_two_workers_on_one_home_the_second_refuses(
     assert "already serves" in second.log() and host_id_for(home) in second.log(), second.log()
 
 
+async def test_replicas_sharing_one_volume_take_home_slots(
+    client: Client, task_queue: str, fleet: Fleet, tmp_path: Path,
+) -> None:
+    """``STOPLINE_HOME_SLOTS``: replicas on one volume each take a free slot
+    (their own host id); one more than the slots refuses; a replica started
+    after one died takes the dead one's slot, and so its host id."""
+    volume = tmp_path / "volume"
+    first = await fleet.start("rep-1", home=volume, STOPLINE_HOME_SLOTS="2")
+    second = await fleet.start("rep-2", home=volume, STOPLINE_HOME_SLOTS="2")
+    ids = {host_id_for(volume / "slot-1"), host_id_for(volume / "slot-2")}
+    assert len(ids) == 2
+    third = await fleet.start("rep-3", home=volume, STOPLINE_HOME_SLOTS="2", wait=False)
+    assert await third.wait_exit(30) != 0 and "all 2 host homes" in third.log(), third.log()
+    fleet.kill_for_good(first)
+    fourth = await fleet.start("rep-4", home=volume, STOPLINE_HOME_SLOTS="2")
+    assert f"host_id={host_id_for(volume / 'slot-1')}" in fourth.log(), fourth.log()
+    assert second.alive()
+
+
 # ---------------------------------------------------------------- host loss
 
 

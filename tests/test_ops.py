@@ -264,7 +264,6 @@ async def test_worker_serves_prometheus_metrics(
         TEMPORAL_ADDRESS=_address(client),
         STOPLINE_HOME=str(stopline_home),
         STOPLINE_TASK_QUEUE=task_queue,
-        STOPLINE_HOST_TASK_QUEUE=task_queue,
         STOPLINE_METRICS_BIND=f"127.0.0.1:{port}",
         STOPLINE_LOG_FORMAT="json",
     )
@@ -443,6 +442,9 @@ def test_compose_file_has_the_stack_and_a_long_enough_stop_grace() -> None:
         # passed through from the host, never written into the file
         assert re.search(rf"^\s+- {var}\s*$", text, re.MULTILINE), var
     assert "search-attributes register" in text
+    # replicas share the home volume and each take a host slot in it (DESIGN §7)
+    assert re.search(r"^\s+- STOPLINE_HOME_SLOTS=\d+\s*$", text, re.MULTILINE)
+    assert "STOPLINE_HOST_TASK_QUEUE" not in text
 
 
 def test_dockerfile_runs_the_worker() -> None:

@@ -212,6 +212,32 @@ class HomeLock:
             self._fd = None
 
 
+def take_home(home: Path, slots: int) -> tuple[Path, HomeLock]:
+    """Lock this worker's home: ``home`` itself, or the first free slot.
+
+    Args:
+        home: ``STOPLINE_HOME``.
+        slots: 0 for ``home`` itself; N > 0 for the first of
+            ``home/slot-1`` … ``home/slot-N`` that no live worker holds.
+
+    Returns:
+        The home this worker serves and its held lock.
+
+    Raises:
+        HostInUse: ``home`` (or every slot) is held by a live worker.
+    """
+    if slots <= 0:
+        return home, HomeLock(home).acquire()
+    for i in range(1, slots + 1):
+        slot = Path(home) / f"slot-{i}"
+        try:
+            return slot, HomeLock(slot).acquire()
+        except HostInUse:
+            continue
+    raise HostInUse(f"all {slots} host homes under {home} are held by live workers "
+                    f"(raise STOPLINE_HOME_SLOTS)")
+
+
 def workspace_marker(workspace: Path, *, create: bool) -> str | None:
     """The id in ``workspace/.stopline-workspace``, written there first if asked.
 

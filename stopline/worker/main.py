@@ -18,6 +18,7 @@ Prometheus there (``stopline.worker.telemetry``).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import structlog
@@ -63,10 +64,14 @@ async def run_worker() -> None:
     codec_from_settings(settings)  # a malformed STOPLINE_CODEC_KEY fails here too
     # One worker per home: the host id lives there (DESIGN §7). The lock is
     # held for the life of this process; the kernel drops it if we die.
-    from stopline.activities.host import HomeLock, identity
+    from stopline.activities.host import identity, take_home
     from stopline.activities.tools.procs import reap_orphan_calls
 
-    HomeLock(settings.home).acquire()
+    home, _lock = take_home(settings.home, settings.home_slots)
+    if home != settings.home:
+        # activities read their settings per call: they must see the slot
+        os.environ["STOPLINE_HOME"] = str(home)
+        settings = load_settings()
     host = identity(settings)
     reaped = reap_orphan_calls(settings)
     if reaped:
