@@ -79,8 +79,9 @@ async def _runtime(settings: Settings, stack: AsyncExitStack, *, keep: bool) -> 
     """
     from stopline.worker import runtime
 
-    if settings.temporal_address:
-        return settings.temporal_address
+    configured = runtime.configured_address(settings)
+    if configured:
+        return configured
     server = runtime.dev_server(settings)
     worker = runtime.background_worker(settings)
     server_running = server.pid() is not None
@@ -164,14 +165,16 @@ def _check_model(model: str, settings: Settings) -> None:
 
 
 async def _client(settings: Settings, address: str | None = None) -> Any:
-    from stopline.worker.runtime import connect
+    from stopline.worker.runtime import configured_address, connect
 
+    if configured_address(settings):
+        # a configured cluster: its address, TLS, mTLS and API key come from
+        # the environment and the temporal CLI's config file (envconfig)
+        return await connect(settings)
     return await connect(settings, address=address or _address(settings))
 
 
 def _address(settings: Settings) -> str:
-    if settings.temporal_address:
-        return settings.temporal_address
     from stopline.worker.runtime import dev_server
 
     if dev_server(settings).pid() is None:

@@ -26,6 +26,10 @@ class Settings(BaseSettings):
         temporal_address: ``host:port`` of a Temporal frontend
             (``$TEMPORAL_ADDRESS``). Unset: the embedded dev server.
         temporal_namespace: Namespace (``$TEMPORAL_NAMESPACE``).
+        temporal_profile: Profile of the ``temporal`` CLI's config file
+            (``$TEMPORAL_PROFILE``); the connection (address, TLS, mTLS, API
+            key) is read the way that CLI reads it
+            (:func:`stopline.worker.runtime.connect_config`).
         task_queue: Task queue of workflows and sampling activities.
         host_capacity: Tasks this host holds at once (DESIGN §7); a full
             pool makes a new task wait, visibly, for a host.
@@ -78,6 +82,7 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=lambda: Path.home() / ".stopline")
     temporal_address: str | None = Field(default=None, validation_alias="TEMPORAL_ADDRESS")
     temporal_namespace: str = Field(default="default", validation_alias="TEMPORAL_NAMESPACE")
+    temporal_profile: str | None = Field(default=None, validation_alias="TEMPORAL_PROFILE")
     task_queue: str = DEFAULT_TASK_QUEUE
     host_capacity: int = 8
     host_lost_after_s: float = 30.0

@@ -60,13 +60,13 @@ def _tools_for(inp: SampleInput) -> list:
     if inp.tools:
         return list(inp.tools)
     if inp.toolset == "none":
-        return []
+        return list(inp.extra_tools)
     from stopline.activities.tools import TOOL_SPECS
     from stopline.core.task_tools import TASK_TOOL_SPECS
 
     if inp.toolset == "workspace+tasks":
-        return [*TOOL_SPECS, *TASK_TOOL_SPECS]
-    return list(TOOL_SPECS)
+        return [*TOOL_SPECS, *TASK_TOOL_SPECS, *inp.extra_tools]
+    return [*TOOL_SPECS, *inp.extra_tools]
 
 
 def _persisted_refusal(inp: SampleInput, rows: list) -> SamplingResult | None:

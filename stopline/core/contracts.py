@@ -143,6 +143,56 @@ class ToolSpec(_Model):
     input_schema: dict[str, Any]
 
 
+class ActivityTool(_Model):
+    """One of the team's own activities, offered to the model as a tool.
+
+    Built with :func:`stopline.activity_tool` from the activity function (its
+    name, its docstring, its pydantic input model's JSON schema); a task names
+    the ones it may use in its input (``ThreadInput.tools``), so a new tool
+    needs no redeploy of stopline. The model's arguments become the
+    activity's input; what it returns is the tool result the model reads.
+
+    Outcomes follow DESIGN §2: a returned value is a tool result; an
+    exception the activity raises is a tool result with ``ok=false`` and the
+    task goes on; only an ``ApplicationError`` of type
+    :data:`FATAL_TOOL_ERROR` (raise :class:`stopline.FatalToolError`) stops
+    the turn and fails the task. An interrupt cancels it like any call
+    (Temporal's cancel, delivered on its heartbeat; then the grace, then an
+    aborted receipt).
+
+    Attributes:
+        name: Tool name the model calls (unique among the task's tools).
+        description: What the tool does, for the model.
+        input_schema: JSON Schema of the arguments (the input model's).
+        activity: The activity type name to run.
+        task_queue: Task queue of the worker that runs it; ``None``: the
+            task's workflow task queue.
+        start_to_close_s: Start-to-close timeout of one call, seconds.
+        heartbeat_timeout_s: Heartbeat timeout, seconds (``None``: none; an
+            activity that heartbeats learns of an interrupt sooner).
+        max_attempts: Attempts per call (default 1: a tool call runs at most
+            once, DESIGN §2).
+    """
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    activity: str
+    task_queue: str | None = None
+    start_to_close_s: float = 300.0
+    heartbeat_timeout_s: float | None = None
+    max_attempts: int = 1
+
+    def spec(self) -> ToolSpec:
+        """The tool as offered to the model."""
+        return ToolSpec(name=self.name, description=self.description, input_schema=self.input_schema)
+
+
+#: ``ApplicationError.type`` a tool activity raises to stop the turn and fail
+#: the task (DESIGN §2's ``Fatal``): the engine itself is broken, not the call.
+FATAL_TOOL_ERROR = "StoplineFatalToolError"
+
+
 class Refusal(_Model):
     """The provider's refusal verdict on a request (seed 000; DESIGN §4).
 
@@ -380,6 +430,8 @@ class SampleInput(_Model):
             shared by continue-as-new runs and by runs a reset made): a
             refusal stop anywhere in the chain answers a *task*'s sampling
             with that refusal, whatever this host's disk holds (DESIGN §4, §7).
+        extra_tools: The task's own activity tools (``ThreadInput.tools``),
+            offered besides the ``toolset``.
     """
 
     task_id: str
@@ -395,6 +447,7 @@ class SampleInput(_Model):
     thread_kind: str = "task"
     round: int = 0
     chain_id: str = ""
+    extra_tools: list[ToolSpec] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------
@@ -600,6 +653,8 @@ class ThreadInput(_Model):
         reprobe_limit: Re-probes of a skipped provider before a fix task
             freezes.
         carry: State carried over continue-as-new; ``None`` on a fresh start.
+        tools: The team's own activities the model may call as tools
+            (:class:`ActivityTool`; sub-tasks get them too).
     """
 
     model: str
@@ -618,6 +673,7 @@ class ThreadInput(_Model):
     quarantine_retries: int = 3
     reprobe_limit: int = 1
     carry: ThreadCarry | None = None
+    tools: list[ActivityTool] = Field(default_factory=list)
 
 
 class AgentTaskInput(ThreadInput):

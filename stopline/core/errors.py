@@ -16,8 +16,10 @@ one clause. Each class lives where its concern lives and is listed here::
     │   └── PatchError                  stopline.activities.tools.patch (and its subclasses)
     ├── TaskNotContinuable              stopline.activities.tasks: refused, ended or unknown task
     ├── SearchAttributeTypeConflict     stopline.core.search_attributes
-    └── HostError                       placement: this process cannot serve as a host
-        └── HostInUse                   stopline.worker.host: another worker holds this home
+    ├── HostError                       placement: this process cannot serve as a host
+    │   └── HostInUse                   stopline.activities.host: another worker holds this home
+    └── FatalToolError                  raised by a team's tool activity: stop the turn, fail
+                                        the task (also a Temporal ApplicationError)
 
 Errors that cross the workflow boundary do so as Temporal
 ``ApplicationError`` with a stable ``type`` string (e.g. ``ProviderError``,
@@ -28,6 +30,8 @@ This module is part of the pure core: no I/O, importable in the sandbox.
 """
 
 from __future__ import annotations
+
+from temporalio.exceptions import ApplicationError
 
 
 class StoplineError(Exception):
@@ -47,4 +51,23 @@ class HostError(StoplineError):
     """This process cannot serve as a stopline host (DESIGN §7)."""
 
 
-__all__ = ["ConfigError", "HostError", "StoplineError", "ToolError"]
+class FatalToolError(StoplineError, ApplicationError):
+    """Raise from one of your tool activities to stop the turn and fail the task.
+
+    DESIGN §2's ``Fatal``: only for an engine that is broken (a response in a
+    shape it cannot handle, a join that failed) — never for a call that did
+    not work, which is a tool result the model reads (raise anything else,
+    or return a value saying so). Crosses Temporal as a non-retryable
+    ``ApplicationError`` of type ``StoplineFatalToolError``
+    (:data:`stopline.core.contracts.FATAL_TOOL_ERROR`).
+
+    Args:
+        reason: Why the task cannot go on; it becomes the task's reason.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, type="StoplineFatalToolError", non_retryable=True)
+        self.reason = reason
+
+
+__all__ = ["ConfigError", "FatalToolError", "HostError", "StoplineError", "ToolError"]

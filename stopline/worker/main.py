@@ -25,7 +25,13 @@ import structlog
 
 from stopline.worker.codec import codec_from_settings
 from stopline.logging import configure_logging
-from stopline.worker.runtime import build_workers, connect, dev_server, start_dev_server
+from stopline.worker.runtime import (
+    build_workers,
+    configured_address,
+    connect,
+    dev_server,
+    start_dev_server,
+)
 from stopline.settings import load_settings
 from stopline.worker.telemetry import build_runtime
 
@@ -77,12 +83,15 @@ async def run_worker() -> None:
     if reaped:
         log.warning("reaped_orphan_calls", pgids=reaped)
     started_server = False
-    address = settings.temporal_address
+    address = configured_address(settings)
+    embedded = None
     if not address:
         was_running = dev_server(settings).pid() is not None
-        address = start_dev_server(settings)
+        address = embedded = start_dev_server(settings)
         started_server = not was_running
-    client = await connect(settings, address=address, runtime=metrics_runtime)
+    # a configured cluster: TLS, mTLS, API key from envconfig; the embedded
+    # server: a plain connection to the address we started
+    client = await connect(settings, address=embedded, runtime=metrics_runtime)
     workers = build_workers(client, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

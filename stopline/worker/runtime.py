@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,45 +32,157 @@ from stopline.settings import Settings
 WORKER_SHUTDOWN_GRACE_S: float = Settings.model_fields["worker_shutdown_grace_s"].default
 
 
+def connect_config(settings: Settings, *, address: str | None = None) -> dict[str, Any]:
+    """Connection options the way the ``temporal`` CLI reads them.
+
+    The SDK's environment configuration (``temporalio.envconfig``): the
+    profile ``TEMPORAL_PROFILE`` (default ``default``) of the config file
+    (``TEMPORAL_CONFIG_FILE``, else the platform's default path), overridden
+    by ``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``TEMPORAL_API_KEY``,
+    ``TEMPORAL_TLS``, ``TEMPORAL_TLS_CLIENT_CERT_PATH`` /
+    ``_CLIENT_KEY_PATH`` / ``_SERVER_CA_CERT_PATH`` /
+    ``_SERVER_NAME`` / ``_DISABLE_HOST_VERIFICATION`` … — so a worker and
+    every CLI command reach Temporal Cloud or any secured cluster with the
+    same settings the ``temporal`` CLI uses.
+
+    Args:
+        settings: Settings (namespace default, profile).
+        address: An explicit address (the embedded dev server): plain
+            connection to it, ignoring the profile's TLS and API key.
+
+    Returns:
+        Keyword arguments for ``Client.connect``.
+
+    Raises:
+        ConfigError: No address anywhere, or a profile that cannot be read.
+    """
+    from temporalio.envconfig import ClientConfig
+
+    from stopline.core.errors import ConfigError
+
+    if address:
+        return {"target_host": address, "namespace": settings.temporal_namespace}
+    try:
+        cfg: dict[str, Any] = dict(ClientConfig.load_client_connect_config(profile=settings.temporal_profile))
+    except Exception as err:  # a malformed file or a missing profile
+        raise ConfigError(f"cannot read the Temporal client configuration: {err}") from None
+    cfg.setdefault("namespace", settings.temporal_namespace)
+    if not cfg.get("target_host"):
+        raise ConfigError(
+            "no Temporal address: set TEMPORAL_ADDRESS (or a profile in the temporal config "
+            "file), or run `stopline up`"
+        )
+    return cfg
+
+
+def configured_address(settings: Settings) -> str | None:
+    """The Temporal address configured the way the ``temporal`` CLI reads it
+    (``TEMPORAL_ADDRESS``, or the profile in its config file); ``None``: none,
+    so the embedded dev server is used."""
+    if settings.temporal_address:
+        return settings.temporal_address
+    try:
+        return connect_config(settings)["target_host"]
+    except Exception:  # no address, or no readable file: embedded
+        return None
+
+
 async def connect(
     settings: Settings,
     *,
     address: str | None = None,
     runtime: TemporalRuntime | None = None,
+    host: bool = False,
 ) -> Client:
-    """Connect a client with stopline's data converter and interceptors.
+    """Connect a client with :class:`~stopline.worker.plugin.StoplinePlugin`.
 
-    The data converter is pydantic, plus the payload-encryption codec when
-    ``STOPLINE_CODEC_KEY`` is set (``stopline.worker.codec``); the interceptors add
-    OpenTelemetry tracing when ``STOPLINE_OTEL`` is on
-    (``stopline.worker.telemetry``). Workers built on the client inherit both.
+    The plugin gives the client stopline's data converter (pydantic, plus the
+    payload-encryption codec when ``STOPLINE_CODEC_KEY`` is set) and its
+    interceptors (tracing when ``STOPLINE_OTEL`` is on); workers built on the
+    client inherit it. The connection itself comes from
+    :func:`connect_config` (TLS, mTLS, API key, profiles).
 
     Args:
-        settings: Settings (address, namespace, codec key, tracing).
-        address: Overrides ``settings.temporal_address``.
+        settings: Settings.
+        address: An explicit address (the embedded dev server).
         runtime: A Temporal runtime, e.g. one serving Prometheus metrics
             (``stopline.worker.telemetry.build_runtime``); default: the SDK's.
+        host: Let workers built on this client run this machine's host
+            workers (the plugin's ``host``); stopline's own worker builds
+            them explicitly instead (:func:`build_workers`).
 
     Returns:
         The client.
 
     Raises:
-        RuntimeError: If no address is known (start the embedded server
-            first: ``stopline up``).
+        ConfigError: No address is known, or the configuration is malformed.
     """
-    from stopline.worker.codec import data_converter
-    from stopline.worker.telemetry import tracing_interceptors
+    from stopline.worker.plugin import StoplinePlugin
 
-    target = address or settings.temporal_address
-    if not target:
-        raise RuntimeError("no Temporal address: set TEMPORAL_ADDRESS or run `stopline up`")
     return await Client.connect(
-        target,
-        namespace=settings.temporal_namespace,
-        data_converter=data_converter(settings),
-        interceptors=tracing_interceptors(settings),
+        **connect_config(settings, address=address),
+        plugins=[StoplinePlugin(settings, host=host)],
         runtime=runtime,
     )
+
+
+def _client_plugin(client: Client) -> Any:
+    from stopline.worker.plugin import StoplinePlugin
+
+    for plugin in client.config().get("plugins", []):
+        if isinstance(plugin, StoplinePlugin):
+            return plugin
+    return None
+
+
+def build_host_workers(
+    client: Client, settings: Settings, *, task_queue: str, plugin: Any = None
+) -> list[Worker]:
+    """This machine's two host workers for a workflow task queue (DESIGN §7).
+
+    - the pool's queue (``<task queue>-pool``): host sessions, at most
+      ``settings.host_capacity`` at once, so a full host stops taking tasks;
+    - this host's own queue (``<task queue>-host-<host id>``): sampling,
+      tool calls, ledger writes and pinned host sessions — the work that
+      needs this host's disk and processes.
+
+    Args:
+        client: Connected client.
+        settings: Settings (home — the host id lives there —, capacity).
+        task_queue: The workflow task queue the host serves.
+        plugin: The :class:`~stopline.worker.plugin.StoplinePlugin` to
+            configure them (default: the client's, else a new one).
+
+    Returns:
+        Two workers, not yet running.
+    """
+    from stopline.activities.host import HostSessions, worker_identity
+    from stopline.activities.ledger import ledger_flush
+    from stopline.activities.sampling import sample
+    from stopline.activities.tools import tool_activity
+    from stopline.core.contracts import pool_task_queue
+    from stopline.worker.plugin import StoplinePlugin
+
+    on_client = _client_plugin(client)
+    plugin = plugin or on_client or StoplinePlugin(settings, host=False)
+    sessions = HostSessions(settings, task_queue)
+    pool = pool_task_queue(task_queue)
+    plugin.remember_host_queues(pool, sessions.task_queue)
+    extra: dict[str, Any] = {} if plugin is on_client else {"plugins": [plugin]}
+    identity = worker_identity(sessions.identity, sessions.capacity)
+    return [
+        Worker(
+            client, task_queue=pool, identity=identity,
+            activities=[sessions.session],
+            max_concurrent_activities=sessions.capacity,
+            **extra,
+        ),
+        Worker(
+            client, task_queue=sessions.task_queue, identity=identity,
+            activities=[sample, tool_activity, ledger_flush, sessions.session],
+            **extra,
+        ),
+    ]
 
 
 def build_workers(
@@ -80,71 +191,36 @@ def build_workers(
     *,
     task_queue: str | None = None,
 ) -> list[Worker]:
-    """The workers of one stopline host (DESIGN §7).
+    """The workers of one stopline host (DESIGN §7): the workflow task queue's,
+    then the host workers (:func:`build_host_workers`).
 
-    Three task queues, one worker each:
-
-    - the workflow task queue (``settings.task_queue``, shared by every host):
-      workflows, and the activities any host can run (``task_message``,
-      ``list_hosts``);
-    - the pool's queue (``<task queue>-pool``): host sessions, at most
-      ``settings.host_capacity`` at once, so a full host stops taking tasks;
-    - this host's own queue (``<task queue>-host-<host id>``): sampling, tool
-      calls, ledger writes and pinned host sessions — the work that needs
-      this host's disk and processes.
-
-    Every worker reports an identity naming the host id, which is how
-    ``stopline hosts`` and a task looking for a new host find live hosts.
+    The workflow-queue worker (``settings.task_queue``, shared by every host)
+    runs the workflows and the activities any host may run (``task_message``,
+    ``list_hosts``); everything comes from
+    :class:`~stopline.worker.plugin.StoplinePlugin`, the same plugin a
+    team adds to its own worker. Every worker reports an identity naming the
+    host id: ``stopline hosts`` and a task looking for a new host find live
+    hosts through it.
 
     Args:
         client: Connected client.
-        settings: Settings (home — the host id lives there —, capacity,
-            heartbeat throttle, shutdown grace).
+        settings: Settings.
         task_queue: Workflow task queue (default ``settings.task_queue``).
 
     Returns:
-        Three workers, not yet running.
+        Three workers, not yet running: workflow queue, pool, own queue.
     """
-    from stopline.activities.host import HostSessions, list_hosts, worker_identity
-    from stopline.activities.ledger import ledger_flush
-    from stopline.activities.sampling import sample
-    from stopline.activities.tasks import task_message
-    from stopline.activities.tools import tool_activity
-    from stopline.core.contracts import pool_task_queue
-    from stopline.workflows.agent_task import AgentTask
-    from stopline.workflows.chat_thread import ChatThread
+    from stopline.worker.plugin import StoplinePlugin
 
     tq = task_queue or settings.task_queue
-    sessions = HostSessions(settings, tq)
-    identity = worker_identity(sessions.identity, sessions.capacity)
-    throttle = timedelta(seconds=settings.heartbeat_throttle_s)
-    heartbeat_opts: dict[str, Any] = dict(
-        max_heartbeat_throttle_interval=throttle,
-        default_heartbeat_throttle_interval=throttle,
-        graceful_shutdown_timeout=timedelta(seconds=settings.worker_shutdown_grace_s),
+    on_client = _client_plugin(client)
+    plugin = on_client or StoplinePlugin(settings, host=False)
+    host_workers = build_host_workers(client, settings, task_queue=tq, plugin=plugin)
+    extra: dict[str, Any] = {} if plugin is on_client else {"plugins": [plugin]}
+    workflow_worker = Worker(
+        client, task_queue=tq, identity=host_workers[0].config()["identity"], **extra
     )
-    return [
-        Worker(
-            client, task_queue=tq, identity=identity,
-            workflows=[AgentTask, ChatThread],
-            activities=[task_message, list_hosts],
-            # After a crash the next workflow task first goes to the dead
-            # worker's sticky queue; 2 s (not the SDK's 10 s) until it falls
-            # back to the normal queue bounds how long a crash stalls a task.
-            sticky_queue_schedule_to_start_timeout=timedelta(seconds=2),
-        ),
-        Worker(
-            client, task_queue=pool_task_queue(tq), identity=identity,
-            activities=[sessions.session],
-            max_concurrent_activities=sessions.capacity,
-            **heartbeat_opts,
-        ),
-        Worker(
-            client, task_queue=sessions.task_queue, identity=identity,
-            activities=[sample, tool_activity, ledger_flush, sessions.session],
-            **heartbeat_opts,
-        ),
-    ]
+    return [workflow_worker, *host_workers]
 
 
 # ---------------------------------------------------------------------------

@@ -28,10 +28,12 @@ which is the reference carried over continue-as-new.
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 from temporalio.contrib.workflow_streams import WorkflowStream
 from temporalio.exceptions import ActivityError, ApplicationError
 
@@ -57,6 +59,8 @@ with workflow.unsafe.imports_passed_through():
     from stopline.core import policies, refusal
     from stopline.core.contracts import (
         EVENTS_TOPIC,
+        FATAL_TOOL_ERROR,
+        ActivityTool,
         SAMPLE_ACTIVITY,
         TOOL_ACTIVITY,
         AgentTaskResult,
@@ -246,7 +250,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         thread moves. Sub-task tools run in the workflow and go on."""
         label = self._host_label()
         for r in running:
-            if not r.settled and r.call.name not in TASK_TOOL_NAMES:
+            if not r.settled and self._runs_on_host(r.call):
                 r.settled = True
                 if not r.handle.done():
                     r.handle.cancel()
@@ -275,6 +279,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 thread_kind=self._kind,
                 round=self._n.rounds,
                 chain_id=workflow.info().first_execution_run_id,
+                extra_tools=[t.spec() for t in self._inp.tools],
             ),
             result_type=SamplingResult,
             task_queue=self._host_queue(),
@@ -299,9 +304,12 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             interrupt aborted the turn, else ``None``.
         """
         running: list[RunningCall] = []
+        own = {t.name: t for t in self._inp.tools}
         for call in calls:
             if call.name in TASK_TOOL_NAMES:
                 handle: Any = asyncio.create_task(self._run_task_tool(call))
+            elif call.name in own:
+                handle = asyncio.create_task(self._run_activity_tool(call, own[call.name]))
             else:
                 handle = self._start_tool_activity(call)
             running.append(RunningCall(call, handle, workflow.now()))
@@ -388,6 +396,43 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             summary=f"{call.name} ({call.id})",
         )
+
+    def _runs_on_host(self, call: ToolCall) -> bool:
+        """Whether a call runs on the task's host (sub-task tools run in the
+        workflow; the team's own tools on their own task queue)."""
+        return call.name not in TASK_TOOL_NAMES and all(t.name != call.name for t in self._inp.tools)
+
+    async def _run_activity_tool(self, call: ToolCall, tool: ActivityTool) -> RespondToModel | Fatal:
+        """Run one of the team's own activities as a tool (DESIGN §2).
+
+        The model's arguments are the activity's input. A returned value is
+        the result the model reads (a string as it is, anything else as
+        JSON, capped like any tool output); an exception is a result with
+        ``ok=false`` naming what failed, and the task goes on; only
+        :data:`FATAL_TOOL_ERROR` is ``Fatal``. A cancel (an interrupt) goes to
+        the activity as Temporal's activity cancel.
+        """
+        limits: TaskLimits = self._inp.limits
+        try:
+            value = await workflow.execute_activity(
+                tool.activity,
+                call.arguments or {},
+                task_queue=tool.task_queue or workflow.info().task_queue,
+                start_to_close_timeout=timedelta(seconds=tool.start_to_close_s),
+                heartbeat_timeout=(
+                    timedelta(seconds=tool.heartbeat_timeout_s) if tool.heartbeat_timeout_s else None
+                ),
+                retry_policy=RetryPolicy(maximum_attempts=max(1, tool.max_attempts)),
+                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                summary=f"{call.name} ({call.id})",
+            )
+        except ActivityError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type == FATAL_TOOL_ERROR:
+                return Fatal(reason=f"{call.name}: {cause.message}")
+            return RespondToModel(text=f"{call.name} failed: {activity_failure_reason(err)}", ok=False)
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        return RespondToModel(text=policies.cap_text(text, limits.tool_output_cap_bytes))
 
     def _tool_outcome(self, r: RunningCall) -> RespondToModel | Fatal:
         """The outcome of a finished tool call; a lost one becomes a receipt."""

@@ -32,7 +32,6 @@ with workflow.unsafe.imports_passed_through():
         ToolCall,
     )
     from stopline.core.policies import background_shell_id
-    from stopline.core.task_tools import TASK_TOOL_NAMES
 
 
 class LedgerMixin:
@@ -126,7 +125,8 @@ class LedgerMixin:
         ``staged``: the text is exactly what the tool activity returned (and
         staged on the host), so the row travels to the ledger file by
         reference, not again as content (DESIGN §5). Sub-task tools run in
-        the workflow and stage nothing.
+        the workflow, and the team's own tools on their own task queue: they
+        stage nothing.
         """
         meta: dict[str, Any] = {"elapsed_s": round(outcome.elapsed_s, 3)}
         if outcome.aborted:
@@ -141,7 +141,7 @@ class LedgerMixin:
             ok=outcome.ok,
             meta=meta,
         )
-        if staged and call.name not in TASK_TOOL_NAMES:
+        if staged and self._runs_on_host(call):  # only the host's tools stage their text
             self._staged[row.seq] = f"call-{call.id}"
         if (call.name == "shell" and outcome.ok and not outcome.aborted and self._host is not None
                 and (call.arguments or {}).get("background") is True):

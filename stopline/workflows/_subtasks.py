@@ -94,6 +94,7 @@ class SubtaskMixin:
                 # sub-task shares this task's capacity slot there (DESIGN §7)
                 host=self._host.host_id if self._host is not None else None,
                 parent_task_id=parent,
+                tools=list(self._inp.tools),
                 stream=self._inp.stream,
                 route="subagent",
                 execution_scope="worker",
