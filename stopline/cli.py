@@ -285,7 +285,9 @@ async def _run_task(
             console.print(f"detached; {task_id} keeps waiting. `stopline message {task_id} TEXT` continues it.")
             stack.pop_all()
             return 130
-        result = await handle.result()
+        from stopline.worker.runtime import task_result
+
+        result = await task_result(handle)
         _print_result(result, as_json)
         return EXIT_CODES[result.status]
 
@@ -434,7 +436,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         out = {
             "task_id": args.id,
             "workflow_status": desc.status.name if desc.status else None,
-            "state": st.state if st else None,
+            "state": _shown_status(st.state, desc.status) if st else _shown_status(None, desc.status),
             "round": st.round if st else None,
             "rows": st.rows if st else None,
             "result": st.result.model_dump(mode="json") if st and st.result else None,
@@ -570,6 +572,18 @@ def cmd_hosts(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(go())
 
 
+def _shown_status(recorded: str | None, execution: Any) -> str:
+    """What to call a task's state: what it recorded, unless its workflow
+    ended without recording an ending (terminated, cancelled, timed out):
+    then that, since a ``running`` search attribute would be a lie."""
+    from temporalio.client import WorkflowExecutionStatus
+
+    ended = execution is not None and execution != WorkflowExecutionStatus.RUNNING
+    if recorded and not (ended and recorded in ("running", "waiting", "waiting_for_host")):
+        return recorded
+    return execution.name.lower() if execution is not None else "?"
+
+
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     """Tasks and chat threads with their outcome (from search attributes)."""
     from stopline.core import search_attributes as sa
@@ -583,7 +597,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
             row = {
                 "id": wf.id,
                 "kind": attrs.get(sa.KIND) or ("chat" if wf.workflow_type == CHAT_THREAD_WORKFLOW else "task"),
-                "status": attrs.get(sa.STATUS) or (wf.status.name.lower() if wf.status else "?"),
+                "status": _shown_status(attrs.get(sa.STATUS), wf.status),
                 "refused": bool(attrs.get(sa.REFUSED)),
                 "model": attrs.get(sa.MODEL),
                 "started": wf.start_time.isoformat(),
@@ -634,6 +648,7 @@ def cmd_message(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_wait(args: argparse.Namespace, settings: Settings) -> int:
     """``task_wait`` from the CLI: wait until every task settles (or timeout)."""
+    from stopline.worker.runtime import task_result
 
     async def go() -> int:
         client = await _client(settings)
@@ -642,7 +657,7 @@ def cmd_wait(args: argparse.Namespace, settings: Settings) -> int:
         for task_id in args.ids:
             handle = client.get_workflow_handle(task_id, result_type=AgentTaskResult)
             try:
-                result = await asyncio.wait_for(handle.result(), args.timeout)
+                result = await asyncio.wait_for(task_result(handle), args.timeout)
             except asyncio.TimeoutError:
                 results[task_id] = {"status": "running"}
                 worst = max(worst, 4)
@@ -664,6 +679,8 @@ def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
     """``task_stop`` from the CLI: cancel a task, print where it stopped."""
     from temporalio.service import RPCError
 
+    from stopline.worker.runtime import task_result
+
     async def go() -> int:
         client = await _client(settings)
         handle = client.get_workflow_handle(args.id, result_type=AgentTaskResult)
@@ -671,7 +688,7 @@ def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
             await handle.cancel()
         except RPCError:
             pass  # already closed: its result says where it stopped
-        result = await asyncio.wait_for(handle.result(), 60)
+        result = await asyncio.wait_for(task_result(handle), 60)
         body: dict[str, Any] = {
             "task_id": args.id, "status": result.status, "refused": result.refused,
             "reason": result.reason, "evidence": result.evidence,

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 
 from stopline.activities.ledger import LedgerStore
-from stopline.core.contracts import LedgerRow
+from stopline.core.contracts import AgentTaskResult, LedgerRow
 from stopline.testing.scripted import anthropic_message, entry, openai_chat_completion, scenario
 from stopline.settings import load_settings
+from stopline.worker.runtime import task_result
 from tests.conftest import start_task
 
 pytestmark = pytest.mark.usefixtures("worker")
@@ -127,16 +128,23 @@ async def test_engine_errors_fail_once_without_retry_loop(
 ) -> None:
     shapeless = scripted(scenario("anthropic", entry({"id": "x", "type": "message"})))
     h1 = await start_task(client, task_queue, shapeless, workspace, stream=stream)
-    r1 = await h1.result()
+    r1 = await task_result(h1)
     assert r1.status == "failed" and "anthropic" in r1.reason and "content" in r1.reason
     assert shapeless.request_count() == 1 and r1.provider_calls == 1
+    # Temporal sees what stopline sees: the workflow FAILED, its failure
+    # carries the task's result (the UI and alerting count it)
+    desc = await h1.describe()
+    assert desc.status == WorkflowExecutionStatus.FAILED
+    with pytest.raises(WorkflowFailureError) as failure:
+        await h1.result()
+    assert AgentTaskResult.from_failure(failure.value) == r1
 
     bad = scripted(scenario("openai-chat", entry(
         {"error": {"message": "Unsupported parameter: foo", "type": "invalid_request_error"}},
         status=400,
     )))
     h2 = await start_task(client, task_queue, bad, workspace, stream=stream)
-    r2 = await h2.result()
+    r2 = await task_result(h2)
     assert r2.status == "failed" and "400" in r2.reason and "Unsupported parameter" in r2.reason
     assert bad.request_count() == 1
 
@@ -276,7 +284,7 @@ async def test_malformed_turns_are_honest_outcomes(
         ("c1", "shell", {"command": "echo one >> dup.txt"}),
         ("c1", "shell", {"command": "echo two >> dup.txt"}),
     ]))))
-    r = await (await start_task(client, task_queue, dup, workspace)).result()
+    r = await task_result(await start_task(client, task_queue, dup, workspace))
     assert r.status == "failed" and "repeat" in r.reason and not (workspace / "dup.txt").exists()
 
     ws_text = scripted(scenario(
@@ -303,7 +311,29 @@ async def test_a_response_too_large_for_history_fails_once_clearly(
     server = scripted(scenario("anthropic", entry(anthropic_message(
         tool_calls=[("c1", "write_file", {"path": "big.txt", "content": big})]
     ), repeat=3)))
-    r = await (await start_task(client, task_queue, server, workspace)).result()
+    r = await task_result(await start_task(client, task_queue, server, workspace))
     assert r.status == "failed" and "exceeds" in r.reason and "limit" in r.reason
     assert server.request_count() == 1 and r.provider_calls == 1
     assert not (workspace / "big.txt").exists()
+
+
+async def test_a_terminated_task_is_listed_as_terminated_not_running(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, worker: Any,
+    stopline_home: Path,
+) -> None:
+    held = scripted(scenario("anthropic", entry(anthropic_message("never"), delay_s=30)))
+    handle = await start_task(client, task_queue, held, workspace)
+    deadline = asyncio.get_running_loop().time() + 20
+    while held.request_count() == 0 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    await handle.terminate("test: an operator's terminate")
+    env = {**__import__("os").environ, "TEMPORAL_ADDRESS": client.service_client.config.target_host,
+           "STOPLINE_HOME": str(stopline_home)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "stopline.cli", "list", "--json", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    (row,) = [r for r in map(json.loads, out.decode().splitlines()) if r["id"] == handle.id]
+    assert row["status"] == "terminated", row

@@ -686,6 +686,10 @@ class AgentTaskInput(ThreadInput):
 
 TaskStatusName = Literal["completed", "stopped", "failed"]
 
+#: ``ApplicationError.type`` a failed task's workflow fails with; its first
+#: detail is the task's :class:`AgentTaskResult`.
+TASK_FAILED_ERROR = "StoplineTaskFailed"
+
 
 class AgentTaskResult(_Model):
     """Result of the ``AgentTask`` workflow.
@@ -717,6 +721,26 @@ class AgentTaskResult(_Model):
     evidence: dict[str, Any] | None = None
     host_id: str | None = None
     unflushed_rows: list[LedgerRow] = Field(default_factory=list)
+
+    @classmethod
+    def from_failure(cls, err: BaseException | None) -> AgentTaskResult | None:
+        """The result a failed task's workflow carries in its failure.
+
+        A task that fails ends its workflow as *failed* (so the Temporal UI
+        and a team's alerting count it), with an ``ApplicationError`` of type
+        :data:`TASK_FAILED_ERROR` whose first detail is this result. Walks the
+        cause chain of a ``WorkflowFailureError`` / ``ChildWorkflowError``.
+
+        Returns:
+            The result, or ``None`` when ``err`` is not a failed task's.
+        """
+        while err is not None:
+            if getattr(err, "type", None) == TASK_FAILED_ERROR:
+                details = getattr(err, "details", None) or ()
+                if details:
+                    return cls.model_validate(details[0])
+            err = getattr(err, "cause", None) or err.__cause__
+        return None
 
 
 class RefusalInfo(_Model):

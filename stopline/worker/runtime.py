@@ -126,6 +126,35 @@ async def connect(
     )
 
 
+async def task_result(handle: Any) -> Any:
+    """A task's :class:`~stopline.core.contracts.AgentTaskResult`, whatever
+    its status: a failed task's workflow *fails* (DESIGN §4: so Temporal
+    counts it) and carries the result in its failure.
+
+    Args:
+        handle: A ``WorkflowHandle`` of an ``AgentTask``.
+
+    Returns:
+        The result.
+
+    Raises:
+        temporalio.client.WorkflowFailureError: The workflow ended without a
+            task result (terminated, cancelled before it could record one,
+            timed out).
+    """
+    from temporalio.client import WorkflowFailureError
+
+    from stopline.core.contracts import AgentTaskResult
+
+    try:
+        return await handle.result()
+    except WorkflowFailureError as err:
+        result = AgentTaskResult.from_failure(err)
+        if result is None:
+            raise
+        return result
+
+
 def _client_plugin(client: Client) -> Any:
     from stopline.worker.plugin import StoplinePlugin
 

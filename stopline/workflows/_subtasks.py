@@ -115,7 +115,9 @@ class SubtaskMixin:
         try:
             result: AgentTaskResult = await child.handle
         except ChildWorkflowError as err:
-            result = AgentTaskResult(
+            # a failed task's workflow fails carrying its result; anything
+            # else (terminated, timed out) gets one made from the failure
+            result = AgentTaskResult.from_failure(err) or AgentTaskResult(
                 task_id=child.info.task_id, status="failed", reason=activity_failure_reason(err)
             )
         child.info.settled = True

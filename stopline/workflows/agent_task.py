@@ -14,7 +14,7 @@ import asyncio
 
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from stopline.workflows._engine import TurnEngine
 from stopline.workflows._placement import HostLost
@@ -25,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
     from stopline.core.contracts import (
         AGENT_TASK_WORKFLOW,
         AgentTaskInput,
+        TASK_FAILED_ERROR,
         AgentTaskResult,
         InterruptResult,
         LedgerRow,
@@ -32,6 +33,11 @@ with workflow.unsafe.imports_passed_through():
         TaskStatus,
     )
     from stopline.core.search_attributes import updates as search_attribute_updates
+
+
+#: ``workflow.patched`` id: a failed task fails its workflow (histories
+#: recorded before completed it with status ``failed``).
+FAIL_FAILED_PATCH = "stopline-fail-failed-tasks"
 
 
 @workflow.defn(name=AGENT_TASK_WORKFLOW)
@@ -139,6 +145,15 @@ class AgentTask(TurnEngine):
         self._upsert(end.status)
         self._publish("task_finished", text=end.reason, result=self._result)
         await workflow.wait_condition(workflow.all_handlers_finished)
+        if end.status == "failed" and workflow.patched(FAIL_FAILED_PATCH):
+            # Temporal sees what stopline sees: a failed task is a failed
+            # workflow (the UI, alerting and `temporal workflow list` count
+            # it), never retried (non-retryable), and its result rides along.
+            # Stopped and refused tasks complete: seed 000, DESIGN §4.
+            raise ApplicationError(
+                end.reason, self._result.model_dump(mode="json"),
+                type=TASK_FAILED_ERROR, non_retryable=True,
+            )
         return self._result
 
     def _upsert(self, status: str) -> None:
