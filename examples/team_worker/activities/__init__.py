@@ -1,0 +1,1 @@
+"""The team's own activities (one of them becomes an agent's tool)."""
