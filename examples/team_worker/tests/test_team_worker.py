@@ -7,7 +7,6 @@ Run from this directory: ``python -m pytest -q tests``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
