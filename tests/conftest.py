@@ -73,6 +73,19 @@ def stopline_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
+def unconfined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run tool commands unconfined (``STOPLINE_SANDBOX=off``), as plain process groups.
+
+    For tests that follow a command's processes by the pid it prints
+    (``echo $$ > pid``): in the sandbox that pid is one of the sandbox's own
+    PID namespace, meaningless on the host. The sandbox's own stop semantics
+    are tested in tests/test_sandbox.py by what processes do (files they
+    would write), not by pid.
+    """
+    monkeypatch.setenv("STOPLINE_SANDBOX", "off")
+
+
+@pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     """A real, empty temporary workspace."""
     ws = tmp_path / "workspace"
