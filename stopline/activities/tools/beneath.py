@@ -188,8 +188,12 @@ class Beneath:
             raise OutsideWorkspace(path, Path(posixpath.normpath(posixpath.join(str(self.root), rel))), self.root)
         return rel
 
-    def _symlink_error(self, path: str, rel: str) -> SymlinkRefused | None:
-        """Find the first component of ``rel`` that is a symbolic link (for the message)."""
+    def symlink_refusal(self, path: str, rel: str) -> SymlinkRefused | None:
+        """The refusal for the first component of ``rel`` that is a symbolic link, if any.
+
+        Only for the message (where the link points, inside or outside); the
+        refusal itself was the kernel's.
+        """
         parts = rel.split("/")
         for i in range(1, len(parts) + 1):
             sub = "/".join(parts[:i])
@@ -230,7 +234,7 @@ class Beneath:
             return self._open_rel(rel, flags, mode)
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
-                refused = self._symlink_error(path, rel)
+                refused = self.symlink_refusal(path, rel)
                 if refused is not None:
                     raise refused from None
                 if err.errno == errno.EXDEV:
@@ -275,7 +279,7 @@ class Beneath:
             return None
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
-                refused = self._symlink_error(path, rel)
+                refused = self.symlink_refusal(path, rel)
                 if refused is not None:
                     raise refused from None
                 if err.errno == errno.ENOTDIR:
@@ -318,7 +322,7 @@ class Beneath:
                     nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
                 except OSError as err:
                     if err.errno in (errno.ELOOP, errno.ENOTDIR):
-                        refused = self._symlink_error(path, parent)
+                        refused = self.symlink_refusal(path, parent)
                         if refused is not None:
                             raise refused from None
                     raise

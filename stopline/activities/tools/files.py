@@ -179,7 +179,9 @@ async def write_file(ctx: ToolContext, path: str, content: str) -> RespondToMode
             if st is not None and stat_mod.S_ISDIR(st.st_mode):
                 return RespondToModel(ok=False, text=f"{path!r} is a directory; give a file path")
             if st is not None and stat_mod.S_ISLNK(st.st_mode):
-                raise SymlinkRefused(path, rel, os.readlink(name, dir_fd=dir_fd), outside=False)
+                raise ws.symlink_refusal(path, rel) or SymlinkRefused(
+                    path, rel, os.readlink(name, dir_fd=dir_fd), outside=True
+                )
             data = _encode(content)
             write_atomic_at(dir_fd, name, data)
         finally:
