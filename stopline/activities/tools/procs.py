@@ -299,13 +299,51 @@ async def terminate_sandbox(
         if end == "SIGKILL":
             kill_sandbox(bwrap_pid, init)
     settle = time.monotonic() + KILL_SETTLE_S
-    while time.monotonic() < settle and (not exited() or (init is not None and _alive(init))):
+    while time.monotonic() < settle and not exited():
         try:
             await asyncio.sleep(POLL_S)
         except asyncio.CancelledError:
             uncancel_current_task()
             break
+    if init is not None:
+        await wait_gone(init, max(settle - time.monotonic(), 0.0))
     return end
+
+
+async def wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for ``pid`` (not necessarily our child) to end.
+
+    Through a pidfd where the kernel has them (readable the moment the
+    process ends: no polling delay added to every call), else by polling.
+
+    Returns:
+        ``True`` when it is gone (or a zombie).
+    """
+    if not _alive(pid):
+        return True
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
+    loop = asyncio.get_running_loop()
+    ended = asyncio.Event()
+    try:
+        loop.add_reader(pidfd, ended.set)
+        try:
+            await asyncio.wait_for(ended.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            uncancel_current_task()
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return not _alive(pid)
 
 
 def uncancel_current_task() -> None:
