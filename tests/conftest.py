@@ -169,6 +169,32 @@ async def start_task(
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Without bubblewrap, run the suite's tools unconfined (tests/test_sandbox.py still fails).
+
+    ``./dev.sh`` installs bubblewrap where it can (CI); on a machine where it
+    cannot, every shell call would be refused and most tests would fail for
+    that one reason. The sandbox's own tests fail loudly instead.
+    """
+    from stopline.activities.tools.sandbox import sandbox_status
+
+    if "STOPLINE_SANDBOX" not in os.environ and not sandbox_status(load_settings()).available:
+        os.environ["STOPLINE_SANDBOX"] = "off"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Say in the header whether tools run sandboxed."""
+    from stopline.activities.tools.sandbox import sandbox_status
+
+    status = sandbox_status(load_settings(sandbox="auto"))
+    if status.available:
+        return f"tool sandbox: {status.detail}"
+    return (
+        f"tool sandbox: NOT AVAILABLE ({status.detail}); tools run unconfined here and "
+        "tests/test_sandbox.py fails"
+    )
+
+
 _exit_status: list[int] = []
 
 

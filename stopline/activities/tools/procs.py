@@ -13,6 +13,13 @@ name, no walking other sessions), or block the event loop waiting for a
 process (:func:`terminate_group` polls with ``asyncio.sleep``; the ``_sync``
 variant is for plain threads and short graces only).
 
+A sandboxed foreground call (:mod:`.sandbox`) is stopped the same way
+in spirit — SIGTERM, grace, SIGKILL — but through its sandbox
+(:func:`terminate_sandbox`): SIGTERM to the sandbox's session, SIGKILL to its
+PID 1, which takes its whole PID namespace with it. Its record names the
+``bwrap`` process's own group, so :func:`kill_call_groups` kills both kinds
+alike (``bwrap --die-with-parent``: its death kills the sandbox).
+
 "Member" means a live, non-zombie process whose process group id is the
 group's: a zombie has nothing left to kill, and in a container whose PID 1
 never reaps, zombies of re-parented children would otherwise look alive

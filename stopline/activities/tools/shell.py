@@ -314,11 +314,13 @@ class _Foreground:
         capture: OutputCapture,
         started: float,
         *,
+        command: str | list[str],
         confinement: Confinement,
         report_fd: int = -1,
         info_fd: int = -1,
     ) -> None:
         self.ctx = ctx
+        self.command = command
         self.popen = popen
         self.pgid = popen.pid  # start_new_session: the leader's pid is the group id
         self.readers = readers
@@ -392,10 +394,7 @@ class _Foreground:
                     await self._drain()
                     self.capture.close()
                     argv = to_argv(self.command)
-                    return RespondToModel(
-                        ok=False, text=f"could not start {argv[0]!r}: program not found",
-                        unconfined_reason=None,
-                    )
+                    return RespondToModel(ok=False, text=f"could not start {argv[0]!r}: program not found")
                 if report[:1] == ["left"] and len(report) >= 3:
                     self.notes.append(self._leftover_note(int(report[1]), report[2]))
                 # the sandbox's PID 1 dies with bwrap (and the kernel empties
@@ -497,8 +496,6 @@ class _Foreground:
             output_ref=output_ref,
             unconfined_reason=self.confinement.unconfined_reason,
         )
-
-    command: str | list[str] = ""
 
     def cleanup(self) -> None:
         """Last line of defence (sync): no process, fd or record of the call survives it."""
@@ -602,10 +599,9 @@ async def run_foreground(
         readers.append(_PipeReader(loop, out_r, "stdout", capture))
         readers.append(_PipeReader(loop, err_r, "stderr", capture))
         run = _Foreground(
-            ctx, popen, readers, capture, started, confinement=confinement,
+            ctx, popen, readers, capture, started, command=command, confinement=confinement,
             report_fd=report_r, info_fd=info_r,
         )
-        run.command = command
         record_call(
             ctx.settings, inp.task_id, inp.call.id, pid=popen.pid, pgid=popen.pid,
             sandbox=confinement.sandbox is not None,
