@@ -72,6 +72,23 @@ def redactor_processor(secrets: Redactor) -> Any:
     return redact
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the moment of each record
+    (like the standard library's last-resort handler), not the stream of the
+    moment it was configured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def configure_logging(settings: Settings) -> None:
     """Configure structlog and the standard library's root logger for this process.
 
@@ -114,7 +131,7 @@ def configure_logging(settings: Settings) -> None:
             renderer,
         ],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(formatter)
     handler.setLevel(STDLIB_LEVEL)
     setattr(handler, _HANDLER_MARK, True)

@@ -26,6 +26,7 @@ out of ``$STOPLINE_HOME``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import time
@@ -159,10 +160,29 @@ async def collect(
     """
     now = time.time() if now is None else now
     report = GcReport()
+    # file-system work runs in a thread: the worker's event loop also runs
+    # activities, whose heartbeats must not wait for a large directory walk
+    candidates = await asyncio.to_thread(_candidates, settings, older_than_s, now)
+    for name, task_id in candidates:
+        verdict = await closed(task_id)
+        if verdict is None:
+            report.kept_unknown.append(task_id)
+            continue
+        if not verdict:
+            report.kept_running.append(task_id)
+            continue
+        await asyncio.to_thread(_remove_task_files, settings, name, task_id, report)
+        report.removed_tasks.append(task_id)
+    return report
+
+
+def _candidates(settings: Settings, older_than_s: float, now: float) -> list[tuple[str, str]]:
+    """``(directory name, task id)`` of tasks with bulky files old enough to consider."""
     names: set[str] = set()
     for root in (settings.ledger_dir, settings.shells_dir, settings.procs_dir):
         if root.is_dir():
             names.update(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    out = []
     for name in sorted(names):
         ledger_dir = settings.ledger_dir / name
         shells = settings.shells_dir / name
@@ -176,19 +196,16 @@ async def collect(
             task_id = task_id_file(ledger_dir).read_text(encoding="utf-8").strip() or name
         except OSError:
             task_id = name
-        verdict = await closed(task_id)
-        if verdict is None:
-            report.kept_unknown.append(task_id)
-            continue
-        if not verdict:
-            report.kept_running.append(task_id)
-            continue
-        freed = _remove(ledger_dir / "blobs") + _remove(ledger_dir / "staged")
-        freed += _collect_shells(shells, task_id, report)
-        freed += _remove(procs)
-        report.freed_bytes += freed
-        report.removed_tasks.append(task_id)
-    return report
+        out.append((name, task_id))
+    return out
+
+
+def _remove_task_files(settings: Settings, name: str, task_id: str, report: GcReport) -> None:
+    ledger_dir = settings.ledger_dir / name
+    freed = _remove(ledger_dir / "blobs") + _remove(ledger_dir / "staged")
+    freed += _collect_shells(settings.shells_dir / name, task_id, report)
+    freed += _remove(settings.procs_dir / name)
+    report.freed_bytes += freed
 
 
 def workflow_closed_probe(client: object) -> ClosedProbe:

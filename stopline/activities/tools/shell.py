@@ -394,7 +394,10 @@ class _Foreground:
                     await self._drain()
                     self.capture.close()
                     argv = to_argv(self.command)
-                    return RespondToModel(ok=False, text=f"could not start {argv[0]!r}: program not found")
+                    return RespondToModel(ok=False, text=(
+                        f"could not start {argv[0]!r}: program not found in the sandbox (it shows "
+                        "the workspace and the system directories)"
+                    ))
                 if report[:1] == ["left"] and len(report) >= 3:
                     self.notes.append(self._leftover_note(int(report[1]), report[2]))
                 # the sandbox's PID 1 dies with bwrap (and the kernel empties
