@@ -794,13 +794,25 @@ def _task_closed_probe(settings: Settings, task_id: str, address: str | None) ->
 
 def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline gc`: remove finished tasks' blobs, staged rows and shell logs (keeps running ones')."""
-    from stopline.activities.retention import collect, workflow_closed_probe
+    from stopline.activities.retention import GcReport, collect, workflow_closed_probe
 
     async def go() -> int:
         client = await _client(settings)
-        report = await collect(
-            settings, workflow_closed_probe(client), older_than_s=args.older_than_days * 86400
-        )
+        probe = workflow_closed_probe(client)
+        # a home shared by several hosts holds one home per slot (STOPLINE_HOME_SLOTS)
+        homes = [settings.home] + [
+            settings.home / f"slot-{i}" for i in range(1, settings.home_slots + 1)
+            if (settings.home / f"slot-{i}").is_dir()
+        ]
+        report = GcReport()
+        for home in homes:
+            part = await collect(
+                settings.model_copy(update={"home": home}), probe,
+                older_than_s=args.older_than_days * 86400,
+            )
+            for name in ("removed_tasks", "kept_running", "kept_unknown", "kept_shells"):
+                getattr(report, name).extend(getattr(part, name))
+            report.freed_bytes += part.freed_bytes
         if args.json:
             print(json.dumps(dataclasses.asdict(report)))
         else:
