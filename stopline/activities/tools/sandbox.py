@@ -85,7 +85,8 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Seconds the probe may take (bubblewrap starts in milliseconds).
 PROBE_TIMEOUT_S = 10.0
 
-#: PID 2 of a foreground sandbox. ``$1``: the grace in 10 ms ticks; the rest:
+#: PID 2 of a foreground sandbox. ``$1``: the grace in centiseconds (timed
+#: by ``/proc/uptime``, so a loaded machine does not stretch it); the rest:
 #: the command's argv. Its stdin is a pipe to the worker: it writes
 #: ``notfound`` when the program does not exist and ``left N SIGTERM|SIGKILL``
 #: when N processes were still running after the command exited. It defers
@@ -109,12 +110,16 @@ left() {
     [ -n "$1" ] && kill -s "$1" "$p" 2>/dev/null
   done
 }
+now() {
+  read -r u _ < /proc/uptime; u=${u%.*}${u#*.}
+  while [ "${u#0}" != "$u" ]; do u=${u#0}; done; u=${u:-0}
+}
 left TERM
 if [ "$c" -gt 0 ]; then
-  n=$c; how=SIGTERM; i=0
+  n=$c; how=SIGTERM; now; end=$((u+t))
   while sleep 0.01; left; [ "$c" -gt 0 ]; do
-    i=$((i+1))
-    if [ "$i" -ge "$t" ]; then how=SIGKILL; left KILL; break; fi
+    now
+    if [ "$u" -ge "$end" ]; then how=SIGKILL; left KILL; break; fi
   done
   printf 'left %s %s\n' "$n" "$how" >&0
 fi
