@@ -416,13 +416,15 @@ async def test_the_task_goes_on_and_the_model_reads_every_denial(
             ("h", "shell", {"command": f"cat {stopline_home}/secret.txt"}),
             ("e", "shell", {"command": f"cat /proc/{os.getpid()}/environ"}),
             ("n", "shell", {"command": f"echo hi > /dev/tcp/127.0.0.1/{port}"}),
-            ("s", "shell", {"command": "setsid bash -c 'sleep 1; echo late > late' "
+            ("s", "shell", {"command": "setsid bash -c 'sleep 3; echo late > late' "
                                        "</dev/null >/dev/null 2>&1 & echo started-it"}),
         ])),
         entry(anthropic_message("I see what was denied.")),
     ))
+    t0 = time.monotonic()
     handle = await start_task(client, task_queue, server, workspace)
     result = await asyncio.wait_for(handle.result(), 60)
+    took = time.monotonic() - t0
     assert result.status == "completed" and result.final_text == "I see what was denied."
     rows = LedgerStore(stopline_home / "ledger").read(handle.id)
     results = {r.call_id: r.text or "" for r in rows if r.kind == "tool_result"}
@@ -437,7 +439,8 @@ async def test_the_task_goes_on_and_the_model_reads_every_denial(
         assert needle in sent
     assert not any(r.meta.get("unconfined") for r in rows)
     assert list(outside.iterdir()) == [] and not Path("/etc/pwned").exists() and accepted == []
-    assert await still_absent(workspace / "late", 1.2)
+    assert took < 3.0, f"the task took {took:.1f}s: too long to tell whether the sleeper was stopped"
+    assert await still_absent(workspace / "late", 3.5 - took)
 
 
 @pytest.mark.usefixtures("worker")
