@@ -282,10 +282,12 @@ async def test_interrupt_runs_the_trap_then_nothing_is_left(ws: Path, home: Path
         "trap 'echo cleaned > trap_ran; exit 0' TERM; "
         "setsid bash -c 'sleep 1; echo late > late' </dev/null >/dev/null 2>&1 & "
         "touch started; sleep 100",
-        grace=0.5,
+        # room for the trap and for the supervisor to stop the escaper, on a
+        # loaded machine too: what is tested is that SIGTERM was enough
+        grace=2.0,
     )
     assert out.aborted and not out.terminal and out.text.startswith("aborted by user after")
-    assert took < 0.5 + 1.0
+    assert took < 2.0 + 1.0
     assert (ws / "trap_ran").read_text() == "cleaned\n"
     assert "did not exit on SIGTERM" not in out.text
     assert await still_absent(ws / "late", 1.5)
