@@ -10,9 +10,11 @@
 FROM python:3.11-slim
 
 # git: agent tasks usually work on repositories; procps: ps/pkill for tool
-# commands and for inspecting process groups when debugging.
+# commands and for inspecting process groups when debugging; bubblewrap: the
+# sandbox every tool command runs in (README, "The sandbox"; the container
+# needs the security_opt of docker-compose.yml for it to work).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends git procps \
+    && apt-get install -y --no-install-recommends git procps bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 ENV PYTHONUNBUFFERED=1 \

@@ -20,6 +20,21 @@ if [ ! -f "$stamp" ] || [ "$REPO/pyproject.toml" -nt "$stamp" ]; then
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$REPO[test]"
   touch "$stamp"
 fi
+# bubblewrap confines the agent's commands (README, "The sandbox"). Installed
+# here where this script can: as root with apt (CI: a fresh Debian, as root).
+# Elsewhere it says what to install; without it, tool commands are refused
+# unless a task allows running them unconfined.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "dev.sh: installing bubblewrap (the tool sandbox)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null 2>&1 \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 \
+      || echo "dev.sh: could not install bubblewrap; see README, The sandbox" >&2
+  else
+    echo "dev.sh: bubblewrap (bwrap) is not installed, so tool commands cannot be sandboxed." >&2
+    echo "  Install it: sudo apt-get install bubblewrap | sudo dnf install bubblewrap | sudo pacman -S bubblewrap" >&2
+  fi
+fi
 export PATH="$VENV/bin:$PATH"
 cmd=${1:-demo}
 shift || true

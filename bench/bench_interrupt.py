@@ -86,6 +86,11 @@ from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, 
 from stopline.worker.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers
 from stopline.workflows.agent_task import AgentTask
 
+# Each tool is followed by the pid it prints ($$): run tools unconfined, where
+# that pid is the host's (a sandboxed call has its own PID namespace;
+# bench/bench_sandbox.py measures the sandbox).
+os.environ.setdefault("STOPLINE_SANDBOX", "off")
+
 
 @dataclass(frozen=True)
 class Case:

@@ -6,7 +6,7 @@ background), ``run`` (start a task and follow it; ``--detach`` is
 (``task_message``), ``wait`` (``task_wait``), ``stop`` (``task_stop``),
 ``interrupt``, ``chat``, ``transcript``, ``list``, ``demo``,
 ``scripted-server``, ``worker``, ``history export``, ``replay``,
-``search-attributes register``.
+``search-attributes register``, ``gc``.
 
 ``run`` without ``up`` starts what it needs (dev server, worker, a scripted
 server for ``--model scripted:FILE``) and stops what it started when the task
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -104,6 +105,7 @@ def _start_scripted(
         ``(model_ref, base_url)`` for the task input.
     """
     from stopline.activities.providers.registry import WIRE_TO_PROVIDER
+    from stopline.secrets import service_env
     from stopline.testing.scripted import load_scenario
     from stopline.worker.runtime import Managed
 
@@ -122,7 +124,7 @@ def _start_scripted(
                 "--temporal-address", address,
             ],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, env=service_env(),  # it needs no key
         )
     managed.pid_file.write_text(str(proc.pid))
     stack.callback(managed.stop, 5.0)
@@ -365,6 +367,17 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _tool_env(pairs: list[str] | None) -> dict[str, str]:
+    """``--tool-env NAME=VALUE`` flags as a dict."""
+    env: dict[str, str] = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not name.replace("_", "").isalnum():
+            raise UsageError(f"--tool-env takes NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
+
+
 def _limits(args: argparse.Namespace) -> TaskLimits:
     """Task limits from flags, falling back to the settings (environment)."""
     settings = load_settings()
@@ -374,6 +387,9 @@ def _limits(args: argparse.Namespace) -> TaskLimits:
         "sampling_timeout_s": settings.sampling_timeout_s,
         "tool_output_cap_bytes": settings.tool_output_cap_bytes,
         "host_lost_after_s": settings.host_lost_after_s,
+        "tool_network": settings.tool_network or bool(getattr(args, "network", False)),
+        "allow_unconfined": settings.allow_unconfined or bool(getattr(args, "allow_unconfined", False)),
+        "tool_env": _tool_env(getattr(args, "tool_env", None)),
     }
     if args.max_rounds is not None:
         kw["max_rounds"] = args.max_rounds
@@ -408,7 +424,11 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
         settings,
         prompt="The tests in this workspace fail. Find the bug, fix it, and make the tests pass.",
         model=f"scripted:{scenario}", workspace=work / "workspace",
-        limits=TaskLimits(max_rounds=10, interrupt_grace_s=settings.interrupt_grace_s),
+        # the bundled scenario in a throw-away copy: it may run unconfined
+        # where the sandbox cannot (the ledger says so)
+        limits=TaskLimits(
+            max_rounds=10, interrupt_grace_s=settings.interrupt_grace_s, allow_unconfined=True
+        ),
         detach=False, as_json=args.json, task_id=task_id,
     ))
     if not args.json:
@@ -792,6 +812,40 @@ def _task_closed_probe(settings: Settings, task_id: str, address: str | None) ->
     return probe
 
 
+def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline gc`: remove finished tasks' blobs, staged rows and shell logs (keeps running ones')."""
+    from stopline.activities.retention import GcReport, collect, workflow_closed_probe
+
+    async def go() -> int:
+        client = await _client(settings)
+        probe = workflow_closed_probe(client)
+        # a home shared by several hosts holds one home per slot (STOPLINE_HOME_SLOTS)
+        homes = [settings.home] + [
+            settings.home / f"slot-{i}" for i in range(1, settings.home_slots + 1)
+            if (settings.home / f"slot-{i}").is_dir()
+        ]
+        report = GcReport()
+        for home in homes:
+            part = await collect(
+                settings.model_copy(update={"home": home}), probe,
+                older_than_s=args.older_than_days * 86400,
+            )
+            for name in ("removed_tasks", "kept_running", "kept_unknown", "kept_shells"):
+                getattr(report, name).extend(getattr(part, name))
+            report.freed_bytes += part.freed_bytes
+        if args.json:
+            print(json.dumps(dataclasses.asdict(report)))
+        else:
+            console.print(
+                f"removed the files of {len(report.removed_tasks)} finished task(s), "
+                f"{report.freed_bytes} bytes; kept {len(report.kept_running)} running, "
+                f"{len(report.kept_unknown)} unknown, {len(report.kept_shells)} running shell(s)"
+            )
+        return 0
+
+    return asyncio.run(go())
+
+
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline worker`: run a worker in the foreground."""
     from stopline.worker.main import main as worker_main
@@ -913,6 +967,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tool-timeout", type=float, help="per-tool timeout, seconds")
     r.add_argument("--grace", type=float, help="interrupt grace period, seconds (default 0.1)")
     r.add_argument("--host", help="run on this host id (see `stopline hosts`); default: any host with room")
+    r.add_argument("--network", action="store_true",
+                   help="let the task's commands use the network (the sandbox has none by default)")
+    r.add_argument("--allow-unconfined", action="store_true",
+                   help="where the sandbox cannot run, run commands unconfined instead of refusing them")
+    r.add_argument("--tool-env", action="append", metavar="NAME=VALUE",
+                   help="an environment variable for the task's tools (repeatable; enters history)")
     r.add_argument("--detach", action="store_true", help="start the task and return (task_start)")
     r.add_argument("--json", action="store_true", help="print the result object as the last line")
     r.set_defaults(fn=cmd_run)
@@ -976,6 +1036,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(fn=cmd_list)
     sub.add_parser("worker", help="run a worker in the foreground").set_defaults(fn=cmd_worker)
 
+    g = sub.add_parser("gc", help="remove finished tasks' full outputs, staged rows and shell logs")
+    g.add_argument("--older-than-days", type=float, default=0.0, metavar="D",
+                   help="only tasks whose files last changed at least D days ago (default: any)")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(fn=cmd_gc)
+
     s = sub.add_parser("scripted-server", help="serve a scenario's recorded provider responses")
     s.add_argument("--scenario", required=True)
     s.add_argument("--port", type=int, default=0)
@@ -1014,6 +1080,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``stopline`` console script."""
+    from stopline.secrets import make_undumpable
+
+    # this process holds the keys it read from its environment: keep
+    # /proc/<pid>/environ and its memory from other processes of the user
+    make_undumpable()
     args = build_parser().parse_args(argv)
     settings = load_settings(home=Path(args.home) if args.home else None)
     from stopline.logging import configure_logging

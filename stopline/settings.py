@@ -9,6 +9,7 @@ and never serialized into a workflow input.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -75,6 +76,35 @@ class Settings(BaseSettings):
         codec_previous_keys: Comma-separated base64 keys still accepted for
             decrypting, after a rotation (``$STOPLINE_CODEC_PREVIOUS_KEYS``);
             new payloads always use ``codec_key``.
+        temporal_api_key: ``$TEMPORAL_API_KEY`` (Temporal Cloud API key, as
+            the ``temporal`` CLI reads it): a secret, redacted wherever text
+            leaves a process (``stopline.secrets``).
+        sandbox: ``auto`` (default): run tool commands in a bubblewrap
+            sandbox when it works on this host; when it does not, each task's
+            ``allow_unconfined`` decides (refuse, or run unconfined with a
+            ledger row saying so). ``off``: the operator runs tools
+            unconfined on purpose (every call still gets that ledger row).
+        bwrap: The bubblewrap program (``$STOPLINE_BWRAP``, default ``bwrap``
+            on ``PATH``).
+        sandbox_ro_paths: Extra host paths the sandbox shows read-only,
+            colon-separated (e.g. a toolchain in ``/home/me/.cargo``); the
+            system directories (``/usr``, ``/etc``, ``/opt``, ...) always are.
+        sandbox_tmp_bytes: Size limit of the sandbox's private ``/tmp`` (a
+            tmpfs, so memory), in bytes.
+        allow_unconfined: Default of a task's ``allow_unconfined`` for tasks
+            started from the CLI (``--allow-unconfined``).
+        tool_network: Default of a task's ``tool_network`` for tasks started
+            from the CLI (``--network``).
+        tool_output_store_cap_bytes: The most bytes of one call's output
+            stored beside the ledger (the whole output when it is smaller);
+            the result says where it was cut.
+        shell_log_cap_bytes: The most bytes a background shell's log keeps on
+            disk (the newest output; older output is dropped and
+            ``shell_status`` says how much).
+        retention_days: The worker removes finished tasks' full outputs,
+            staged rows and background-shell logs this many days after their
+            ledger last changed (``0``: never); ``stopline gc`` does it on
+            demand.
     """
 
     model_config = SettingsConfigDict(env_prefix="STOPLINE_", extra="ignore")
@@ -108,11 +138,21 @@ class Settings(BaseSettings):
     otel: bool = False
     codec_key: SecretStr | None = None
     codec_previous_keys: SecretStr | None = None
+    temporal_api_key: SecretStr | None = Field(default=None, validation_alias="TEMPORAL_API_KEY")
+    sandbox: Literal["auto", "off"] = "auto"
+    bwrap: str = "bwrap"
+    sandbox_ro_paths: str = ""
+    sandbox_tmp_bytes: int = Field(default=512 * 1024 * 1024, gt=0)
+    allow_unconfined: bool = False
+    tool_network: bool = False
+    tool_output_store_cap_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
+    shell_log_cap_bytes: int = Field(default=16 * 1024 * 1024, ge=4096)
+    retention_days: float = Field(default=7.0, ge=0)
 
-    @field_validator("otel", mode="before")
+    @field_validator("otel", "allow_unconfined", "tool_network", mode="before")
     @classmethod
     def _empty_is_off(cls, value: object) -> object:
-        """``STOPLINE_OTEL=`` (set but empty, as compose passes it) means off."""
+        """A flag set but empty (``STOPLINE_OTEL=``, as compose passes it) means off."""
         return False if value == "" else value
 
     @property
@@ -129,6 +169,10 @@ class Settings(BaseSettings):
     def procs_dir(self) -> Path:
         """Directory of per-call process-group records (for the hard abort)."""
         return self.home / "procs"
+
+    def extra_ro_paths(self) -> list[Path]:
+        """:attr:`sandbox_ro_paths` as absolute paths (empty entries skipped)."""
+        return [Path(p).expanduser() for p in self.sandbox_ro_paths.split(":") if p.strip()]
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -85,6 +85,7 @@ def test_up_run_status_list_down(cli_env: dict[str, str], tmp_path: Path) -> Non
     assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
 
 
+@pytest.mark.usefixtures("unconfined")  # follows the command by the pid it prints
 def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: Path) -> None:
     """refused outcome, message/status/stop/wait on it, chat, and Ctrl-C twice."""
     import signal

@@ -183,6 +183,7 @@ async def test_kill_9_mid_sampling_retries_the_call_and_loses_no_row(
     assert not any("must never be stored" in (r.text or "") for r in rows)
 
 
+@pytest.mark.usefixtures("unconfined")  # follows the command by the pid it prints
 async def test_kill_9_mid_tool_gives_a_lost_receipt_and_never_reruns_it(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
     procs: Workers,

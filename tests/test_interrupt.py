@@ -26,7 +26,9 @@ from stopline.testing.scripted import anthropic_message, entry, scenario
 from tests.conftest import start_task
 from stopline.workflows.agent_task import AgentTask
 
-pytestmark = pytest.mark.usefixtures("worker")
+# "unconfined": these tests follow each command by the pid it prints ($$),
+# which a sandbox renumbers; tests/test_sandbox.py covers interrupts in it
+pytestmark = pytest.mark.usefixtures("worker", "unconfined")
 
 GRACE_S = 0.1
 #: Slack over the grace a test allows (the benchmark measures the real p95).

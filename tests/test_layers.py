@@ -4,7 +4,8 @@
     4  stopline.worker                                    (wiring: plugin, workers, codec)
     3  stopline.activities                                (all I/O)
     2  stopline.workflows                                 (deterministic code)
-    1  stopline.settings, stopline.logging               (configuration)
+    1  stopline.settings, stopline.logging,              (configuration)
+       stopline.secrets
     0  stopline.core                                      (pure: contracts, policies, refusal)
 
 Activities and workflows sit side by side above the configuration: workflows
@@ -26,6 +27,7 @@ LAYERS = {
     "stopline.core": 0,
     "stopline.settings": 1,
     "stopline.logging": 1,
+    "stopline.secrets": 1,
     "stopline.workflows": 2,
     "stopline.activities": 2,
     "stopline.worker": 4,

@@ -344,7 +344,13 @@ def test_codec_keys_from_settings() -> None:
     assert codec is not None and codec.key_id == key_id(parse_key(k))
     conv = data_converter(load_settings(codec_key=k))
     assert conv.payload_codec is not None
-    assert conv.failure_converter_class.__name__ == "DefaultFailureConverterWithEncodedAttributes"
+    # failure messages and stack traces move into an (encrypted) payload
+    from temporalio.api.failure.v1 import Failure
+    from temporalio.exceptions import ApplicationError
+
+    failure = Failure()
+    conv.failure_converter.to_failure(ApplicationError("boom"), conv.payload_converter, failure)
+    assert failure.message == "Encoded failure" and failure.encoded_attributes.data
 
 
 async def test_encrypted_task_history_is_unreadable_without_the_key(

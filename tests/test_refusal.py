@@ -210,6 +210,7 @@ async def test_refused_task_settles_task_wait_once_as_stopped(
     assert child_result.status == "stopped" and child_result.refused
 
 
+@pytest.mark.usefixtures("unconfined")  # follows the command by the pid it prints
 @pytest.mark.usefixtures("worker")
 @pytest.mark.parametrize("ending", ["refused", "completed"])
 async def test_subagent_refusal_leaves_its_shell_running_completion_closes_it(
@@ -466,6 +467,7 @@ async def test_task_message_reaches_a_running_subtask_and_sync_waits_for_it(
     assert "also note X" in json.dumps(child.requests()[-1]["body"])
 
 
+@pytest.mark.usefixtures("unconfined")  # follows the command by the pid it prints
 @pytest.mark.usefixtures("worker")
 async def test_task_stop_mid_tool_gives_every_call_one_result(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
@@ -491,6 +493,7 @@ async def test_task_stop_mid_tool_gives_every_call_one_result(
     assert not psutil.pid_exists(pgid) or psutil.Process(pgid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.usefixtures("unconfined")  # follows the command by the pid it prints
 @pytest.mark.usefixtures("worker")
 async def test_stopping_a_chat_thread_is_a_recorded_ending(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path

@@ -289,6 +289,7 @@ async def test_argv_form_and_cwd(ws: Path, home: Path) -> None:
     assert os.path.realpath(ws / "sub") in out.text
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_killed_by_signal(ws: Path, home: Path) -> None:
     out = await run_ok(call(ws, "shell", {"command": "kill -SEGV $$"}))
     assert out.ok is True and out.text.startswith("killed by signal SIGSEGV")
@@ -300,13 +301,28 @@ async def test_missing_program_is_not_ok(ws: Path, home: Path) -> None:
     assert "definitely-not-a-program-7f3a" in out.text and "not found" in out.text
 
 
-async def test_secrets_are_not_passed_to_tools(ws: Path, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-very-secret")
-    monkeypatch.setenv("STOPLINE_VISIBLE", "yes")
-    out = await run_ok(call(ws, "shell", {"command": "env"}))
-    assert "sk-very-secret" not in out.text and "STOPLINE_VISIBLE=yes" in out.text
+@pytest.mark.parametrize("sandbox", ["auto", "off"])
+async def test_tools_get_an_environment_by_allowlist(
+    ws: Path, home: Path, monkeypatch: pytest.MonkeyPatch, sandbox: str
+) -> None:
+    monkeypatch.setenv("STOPLINE_SANDBOX", sandbox)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-very-secret-0000")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE0000")
+    monkeypatch.setenv("DATABASE_URL", "postgres://u:pw@db/x")
+    monkeypatch.setenv("STOPLINE_WORKER_ONLY", "yes")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    out = await run_ok(call(ws, "shell", {"command": "env"}, env={"TASK_VAR": "given"}, allow_unconfined=True))
+    names = {line.split("=", 1)[0] for line in out.text.splitlines() if "=" in line}
+    for hidden in ("ANTHROPIC_API_KEY", "AWS_ACCESS_KEY_ID", "DATABASE_URL", "STOPLINE_WORKER_ONLY", "STOPLINE_HOME"):
+        assert hidden not in names, out.text
+    assert "sk-very-secret-0000" not in out.text and "AKIAEXAMPLE0000" not in out.text
+    assert {"PATH", "HOME", "TERM", "LC_ALL", "TASK_VAR"} <= names, out.text
+    assert "TASK_VAR=given" in out.text
+    home_line = next(line for line in out.text.splitlines() if line.startswith("HOME="))
+    assert home_line == ("HOME=/tmp/home" if sandbox == "auto" else f"HOME={os.path.realpath(ws)}")
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_timeout_stops_whole_group(ws: Path, home: Path, reaper: Reaper) -> None:
     started = time.monotonic()
     out = await run_ok(
@@ -328,15 +344,17 @@ async def test_timeout_is_capped_by_the_call_limit(ws: Path, home: Path) -> None
     assert out.text.startswith("timed out after 0.2s")
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_leader_exit_stops_children_left_in_group(ws: Path, home: Path, reaper: Reaper) -> None:
     out = await run_ok(call(ws, "shell", {"command": "sleep 30 & echo $!"}))
     child = first_int(out.text)
     reaper.pids.append(child)
     assert out.ok and out.text.startswith("exit code 0")
-    assert "still running in the command's process group" in out.text
+    assert "1 process(es) the command started were still running after it exited" in out.text
     assert not alive(child)
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_grandchild_holding_pipe_cannot_hang(ws: Path, home: Path, reaper: Reaper) -> None:
     gc = ws / "gc.pid"
     reaper.pidfiles.append(gc)
@@ -423,6 +441,7 @@ async def _cancel_after_start(
     return out, pgid, time.monotonic() - cancelled_at
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_cancel_process_honouring_term(ws: Path, home: Path, reaper: Reaper) -> None:
     pidfile = ws / "pid"
     reaper.pidfiles.append(pidfile)
@@ -439,6 +458,7 @@ async def test_cancel_process_honouring_term(ws: Path, home: Path, reaper: Reape
     assert not list((home / "procs").rglob("*.json"))
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_cancel_process_ignoring_term(ws: Path, home: Path, reaper: Reaper) -> None:
     pidfile = ws / "pid"
     reaper.pidfiles.append(pidfile)
@@ -454,6 +474,7 @@ async def test_cancel_process_ignoring_term(ws: Path, home: Path, reaper: Reaper
     assert group_members(pgid) == []
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_cancel_python_ignoring_term(ws: Path, home: Path, reaper: Reaper) -> None:
     pidfile = ws / "pid"
     reaper.pidfiles.append(pidfile)
@@ -469,6 +490,7 @@ async def test_cancel_python_ignoring_term(ws: Path, home: Path, reaper: Reaper)
     assert group_members(pgid) == [] and not alive(pgid)
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_cancel_runs_trap_behind_foreground_child(ws: Path, home: Path, reaper: Reaper) -> None:
     pidfile = ws / "pid"
     reaper.pidfiles.append(pidfile)
@@ -485,6 +507,7 @@ async def test_cancel_runs_trap_behind_foreground_child(ws: Path, home: Path, re
     assert group_members(pgid) == []
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_cancel_after_terminal_keeps_real_result(ws: Path, home: Path, reaper: Reaper) -> None:
     # The leader exits at once; a process that left the group keeps the pipe
     # open, so the call sits in its drain phase — terminal — when the cancel
@@ -521,6 +544,7 @@ async def test_completed_call_is_not_changed_by_late_cancel(ws: Path, home: Path
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("unconfined")
 async def test_kill_call_groups_kills_recorded_group(ws: Path, home: Path, reaper: Reaper) -> None:
     pidfile = ws / "pid"
     reaper.pidfiles.append(pidfile)
@@ -556,21 +580,28 @@ async def _start_background(ws: Path, command: str, call_id: str) -> tuple[str, 
     return m.group(1), int(m.group(2)), out
 
 
-async def test_background_shell_lifecycle(ws: Path, home: Path, reaper: Reaper) -> None:
+@pytest.mark.parametrize("sandbox", ["auto", "off"])
+async def test_background_shell_lifecycle(
+    ws: Path, home: Path, reaper: Reaper, monkeypatch: pytest.MonkeyPatch, sandbox: str
+) -> None:
+    monkeypatch.setenv("STOPLINE_SANDBOX", sandbox)
     shell_id, pid, started = await _start_background(ws, "echo bg-up; sleep 30", "bg-1")
     reaper.pgids.append(pid)
     log = home / "shells" / "task_one" / f"{shell_id}.log"
-    assert str(log) in started.text
+    assert "shell_status" in started.text and str(home) not in started.text
     record = json.loads((home / "shells" / "task_one" / f"{shell_id}.json").read_text())
     assert record["shell_id"] == shell_id and record["pid"] == pid and record["pgid"] == pid
     assert record["command"] == "echo bg-up; sleep 30" and record["log"] == str(log)
-    assert record["started_at"] > 0
+    assert record["started_at"] > 0 and record["sandbox"] is (sandbox == "auto")
 
     # A foreground call of the same task is interrupted: the background shell survives.
     pidfile = ws / "pid"
-    reaper.pidfiles.append(pidfile)
+    if sandbox == "off":  # in a sandbox $$ is a pid of its own namespace, not the host's
+        reaper.pidfiles.append(pidfile)
     fg, pgid, _ = await _cancel_after_start(ws, {"command": "echo $$ > pid; sleep 100"}, pidfile)
-    assert fg.aborted and group_members(pgid) == []
+    assert fg.aborted
+    if sandbox == "off":
+        assert group_members(pgid) == []
     assert alive(pid)
 
     await wait_for(lambda: log.exists() and "bg-up" in log.read_text())

@@ -13,6 +13,10 @@ for the moments with no sampling call to ride on: the end of a task, and an
 abort, where the marker must be on disk before the ``turn_aborted`` event is
 published (seed 002: write, flush, then publish).
 
+Every configured secret value (``stopline.secrets``) is replaced in what is
+written — rows and staged content alike — so the file never holds one, even
+when a tool's output or a provider's error quoted it (DESIGN §5).
+
 Must never: rewrite or truncate a row, reorder rows, or write a row the
 workflow did not hand it.
 """
@@ -37,6 +41,7 @@ from stopline.core.contracts import (
     ToolCall,
 )
 from stopline.core.errors import StoplineError
+from stopline.secrets import Redactor, current_redactor
 from stopline.settings import load_settings
 
 log = structlog.get_logger("stopline.ledger")
@@ -85,10 +90,13 @@ class LedgerStore:
 
     Args:
         root: Ledger directory (``Settings.ledger_dir``).
+        redactor: Replaces secret values in what is written (default: the
+            secrets configured in the environment).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, redactor: Redactor | None = None) -> None:
         self.root = Path(root)
+        self.redactor = redactor if redactor is not None else current_redactor()
 
     def path(self, task_id: str) -> Path:
         """Path of a task's JSONL ledger file."""
@@ -189,7 +197,9 @@ class LedgerStore:
             if not new:
                 return 0
             new = [self._unstage(task_id, r) for r in new]
-            data = b"".join(r.model_dump_json().encode() + b"\n" for r in new)
+            data = b"".join(
+                self.redactor.bytes(r.model_dump_json().encode()) + b"\n" for r in new
+            )
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, data)
@@ -197,6 +207,9 @@ class LedgerStore:
             finally:
                 os.close(fd)
             if last == 0:
+                # the task id as given, for retention (a directory name is the
+                # id made file-safe, not always reversible)
+                (path.parent / "task_id").write_text(task_id, encoding="utf-8")
                 _fsync_dir(path.parent)
             return len(new)
 
@@ -250,7 +263,7 @@ class LedgerStore:
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, json.dumps(content).encode())
+            os.write(fd, self.redactor.bytes(json.dumps(content).encode()))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -320,7 +333,8 @@ def _fsync_dir(path: Path) -> None:
 
 def default_store() -> LedgerStore:
     """The store under ``$STOPLINE_HOME/ledger``."""
-    return LedgerStore(load_settings().ledger_dir)
+    settings = load_settings()
+    return LedgerStore(settings.ledger_dir, redactor=current_redactor(settings))
 
 
 async def append_rows(store: LedgerStore, task_id: str, rows: list[LedgerRow]) -> int:

@@ -276,6 +276,10 @@ class RespondToModel(_Model):
         elapsed_s: Wall time of the call in seconds.
         output_ref: Path (relative to the ledger store) of the full output
             when it was larger than the inline cap; ``None`` otherwise.
+        unconfined_reason: Set when the call ran a command outside the
+            sandbox: why (no bubblewrap on the host and the task allows it,
+            or the operator turned the sandbox off). The workflow records it
+            as a ledger row (DESIGN §2).
     """
 
     kind: Literal["respond"] = "respond"
@@ -285,6 +289,7 @@ class RespondToModel(_Model):
     aborted: bool = False
     elapsed_s: float = 0.0
     output_ref: str | None = None
+    unconfined_reason: str | None = None
 
 
 class Fatal(_Model):
@@ -315,6 +320,12 @@ class ToolCallInput(_Model):
         output_cap_bytes: Inline cap for the text the model sees; more is
             kept head + tail and the whole output stored beside the ledger.
         round: Sampling round the call belongs to (bound into log lines).
+        network: The task lets commands use the host's network (the
+            sandbox has none otherwise).
+        allow_unconfined: Where the sandbox cannot run, run commands
+            unconfined (with a ledger row saying so) instead of refusing them.
+        env: Environment variables the task passes to its tool processes
+            (besides ``PATH``, locale, ``TERM`` and ``HOME``).
     """
 
     task_id: str
@@ -324,6 +335,9 @@ class ToolCallInput(_Model):
     kill_grace_s: float = 0.1
     output_cap_bytes: int = 16_384
     round: int = 0
+    network: bool = False
+    allow_unconfined: bool = False
+    env: dict[str, str] = Field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -610,6 +624,14 @@ class TaskLimits(_Model):
             for that host to pick it up.
         placement_timeout_s: How long a task may wait for any host of the
             pool (all full, or none running) before it stops.
+        tool_network: Commands may use the host's network (default: the
+            sandbox has no network; README, "The sandbox").
+        allow_unconfined: On a host where the sandbox cannot run, run
+            commands unconfined (each such call gets a ledger row saying so)
+            instead of refusing them.
+        tool_env: Environment variables passed to every tool process. Their
+            values are task input: they enter workflow history (encrypted with
+            the payload codec when it is on), so pass no secret here.
     """
 
     max_rounds: int = 50
@@ -623,6 +645,9 @@ class TaskLimits(_Model):
     host_lost_after_s: float = 30.0
     claim_timeout_s: float = 10.0
     placement_timeout_s: float = 3600.0
+    tool_network: bool = False
+    allow_unconfined: bool = False
+    tool_env: dict[str, str] = Field(default_factory=dict)
 
 
 class ThreadInput(_Model):

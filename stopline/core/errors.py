@@ -13,6 +13,7 @@ one clause. Each class lives where its concern lives and is listed here::
     ├── LedgerCorrupt                   stopline.activities.ledger: the ledger file has a gap
     ├── ToolError                       a tool call could not be made (becomes ok=False, DESIGN §2)
     │   ├── OutsideWorkspace            stopline.activities.tools.workspace
+    │   ├── SymlinkRefused              stopline.activities.tools.beneath: a file tool met a link
     │   └── PatchError                  stopline.activities.tools.patch (and its subclasses)
     ├── TaskNotContinuable              stopline.activities.tasks: refused, ended or unknown task
     ├── SearchAttributeTypeConflict     stopline.core.search_attributes

@@ -24,6 +24,15 @@ before the codec was turned on) decode unchanged.
 
 Needs the ``cryptography`` package; it is imported only when a codec is
 built, so nothing here costs anything while no key is set.
+
+Redaction (DESIGN §5) rides on the same chain, because it is the one place
+everything a worker or the CLI sends to the server passes through: workflow
+and activity inputs and results, heartbeat details, update and query
+answers, events. :class:`RedactingCodec` replaces every configured secret
+value (``stopline.secrets``) in a payload before it is encrypted, and the
+failure converter does the same to failure messages and stack traces (a
+provider 401 whose body echoes the API key). With no secret configured and
+no codec key, the plain pydantic converter is used unchanged.
 """
 
 from __future__ import annotations
@@ -36,15 +45,23 @@ import os
 from collections.abc import Sequence
 
 from temporalio.api.common.v1 import Payload
+from temporalio.api.failure.v1 import Failure
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import (
     DataConverter,
-    DefaultFailureConverterWithEncodedAttributes,
+    DefaultFailureConverter,
+    FailureConverter,
     PayloadCodec,
+    PayloadConverter,
 )
 
 from stopline.core.errors import ConfigError
+from stopline.secrets import Redactor, current_redactor
 from stopline.settings import Settings
+
+#: Payload encodings whose data is text (JSON) or raw bytes, safe to edit.
+#: ``binary/protobuf`` is left alone: replacing bytes would corrupt it.
+REDACTABLE_ENCODINGS = (b"json/plain", b"json/protobuf", b"binary/plain")
 
 #: ``encoding`` metadata of an encrypted payload.
 ENCODING = b"binary/encrypted"
@@ -173,6 +190,81 @@ class EncryptionCodec(PayloadCodec):
         return Payload.FromString(plain)
 
 
+class RedactingCodec(PayloadCodec):
+    """Replace configured secret values in every outgoing payload, then encode further.
+
+    Args:
+        redactor: The secret values to replace.
+        inner: The codec applied after redaction (encryption), if any.
+    """
+
+    def __init__(self, redactor: Redactor, inner: PayloadCodec | None = None) -> None:
+        self.redactor = redactor
+        self.inner = inner
+
+    async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        """Redact, then apply the inner codec."""
+        redacted = [self._redact(p) for p in payloads]
+        if self.inner is not None:
+            return await self.inner.encode(redacted)
+        return redacted
+
+    async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        """The inner codec's decode (what came from the server was redacted when sent)."""
+        if self.inner is not None:
+            return await self.inner.decode(payloads)
+        return list(payloads)
+
+    def _redact(self, payload: Payload) -> Payload:
+        if not self.redactor or payload.metadata.get("encoding") not in REDACTABLE_ENCODINGS:
+            return payload
+        data = self.redactor.bytes(payload.data)
+        if data == payload.data:
+            return payload
+        out = Payload()
+        out.CopyFrom(payload)
+        out.data = data
+        return out
+
+
+def _redact_failure(failure: Failure, redactor: Redactor) -> None:
+    while failure is not None and failure.ByteSize():
+        failure.message = redactor.text(failure.message)
+        failure.stack_trace = redactor.text(failure.stack_trace)
+        if not failure.HasField("cause"):
+            break
+        failure = failure.cause
+
+
+def redacting_failure_converter(redactor: Redactor, *, encode_attributes: bool) -> type[FailureConverter]:
+    """A failure converter class that redacts messages and stack traces.
+
+    ``DataConverter`` takes a class (it instantiates it without arguments),
+    hence a class built per redactor.
+
+    Args:
+        redactor: The secret values to replace.
+        encode_attributes: Also move message and stack trace into an encoded
+            payload (with the encryption codec: they are encrypted too).
+
+    Returns:
+        A ``DefaultFailureConverter`` subclass.
+    """
+
+    class RedactingFailureConverter(DefaultFailureConverter):
+        def __init__(self) -> None:
+            super().__init__(encode_common_attributes=encode_attributes)
+
+        def to_failure(
+            self, exception: BaseException, payload_converter: PayloadConverter, failure: Failure
+        ) -> None:
+            # redact first: with encode_attributes the text moves into a payload
+            super().to_failure(exception, payload_converter, failure)
+            _redact_failure(failure, redactor)
+
+    return RedactingFailureConverter
+
+
 def codec_from_settings(settings: Settings) -> EncryptionCodec | None:
     """The codec ``settings`` ask for, or ``None`` when no key is set.
 
@@ -189,16 +281,19 @@ def codec_from_settings(settings: Settings) -> EncryptionCodec | None:
 
 
 def data_converter(settings: Settings) -> DataConverter:
-    """stopline's data converter: pydantic, plus encryption when a key is set.
+    """stopline's data converter: pydantic, redaction of secrets, encryption when a key is set.
 
     Every client and the replayer take their converter from here, so a
     worker, the CLI and ``stopline replay`` always agree on the encoding.
     """
     codec = codec_from_settings(settings)
-    if codec is None:
+    redactor = current_redactor(settings)
+    if codec is None and not redactor:
         return pydantic_data_converter
     return dataclasses.replace(
         pydantic_data_converter,
-        payload_codec=codec,
-        failure_converter_class=DefaultFailureConverterWithEncodedAttributes,
+        payload_codec=RedactingCodec(redactor, codec) if redactor else codec,
+        failure_converter_class=redacting_failure_converter(
+            redactor, encode_attributes=codec is not None
+        ),
     )

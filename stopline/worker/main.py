@@ -13,6 +13,13 @@ sampling call is retried on the next worker (DESIGN §5).
 
 With ``STOPLINE_METRICS_BIND`` set the worker serves the SDK's metrics for
 Prometheus there (``stopline.worker.telemetry``).
+
+At start the worker says whether tool commands will run sandboxed
+(``stopline.activities.tools.sandbox``): ``sandbox_ready``, or a warning
+``sandbox_unavailable`` with the reason — then each task's
+``allow_unconfined`` decides. Every ``retention_days / 4`` (at most hourly)
+it removes finished tasks' full outputs, staged rows and shell logs older
+than ``STOPLINE_RETENTION_DAYS`` (``stopline.activities.retention``).
 """
 
 from __future__ import annotations
@@ -20,11 +27,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import Any
 
 import structlog
+from temporalio.client import Client
 
-from stopline.worker.codec import codec_from_settings
+from stopline.activities.tools.sandbox import sandbox_status
 from stopline.logging import configure_logging
+from stopline.secrets import make_undumpable
+from stopline.settings import Settings, load_settings
+from stopline.worker.codec import codec_from_settings
 from stopline.worker.runtime import (
     build_workers,
     configured_address,
@@ -32,41 +44,66 @@ from stopline.worker.runtime import (
     dev_server,
     start_dev_server,
 )
-from stopline.settings import load_settings
-from stopline.worker.telemetry import build_runtime
+from stopline.worker.telemetry import worker_runtime
 
 
-def _undumpable() -> None:
-    """Make this process non-dumpable (Linux ``PR_SET_DUMPABLE`` 0).
+def take_secrets() -> None:
+    """Read secrets handed over on a pipe (``STOPLINE_SECRETS_FD``) into this process's settings.
 
-    Tool processes run as the worker's user; without this, a tool could read
-    the worker's environment — API keys included — from
-    ``/proc/<worker pid>/environ``. Non-dumpable processes' ``/proc`` files
-    belong to root, so this holds when the worker runs as a normal user (as
-    in ``docker-compose.yml``); a worker running as root cannot be shielded
-    from tools running as root.
+    A worker started by the CLI gets its provider and codec keys this way
+    (``stopline.worker.runtime._spawn``), so they are not in its initial
+    environment, which ``/proc/<pid>/environ`` shows for its whole life.
+    Setting them in ``os.environ`` later does not change that file; every
+    process the worker spawns gets an explicit environment (tools: an
+    allowlist; the dev server: without secrets).
     """
-    import ctypes
-    import sys
+    import json
 
-    if not sys.platform.startswith("linux"):
+    from stopline.worker.runtime import SECRETS_FD_ENV
+
+    raw = os.environ.pop(SECRETS_FD_ENV, None)
+    if not raw:
         return
+    fd = int(raw)
+    chunks = []
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
-    except (OSError, AttributeError):
-        pass
+        while data := os.read(fd, 65536):
+            chunks.append(data)
+    finally:
+        os.close(fd)
+    for name, value in json.loads(b"".join(chunks) or b"{}").items():
+        os.environ[str(name)] = str(value)
+
+
+async def _retention_loop(client: Client, settings: Settings, log: Any) -> None:
+    """Apply ``retention_days`` now and then, for as long as the worker runs."""
+    from stopline.activities.retention import collect, workflow_closed_probe
+
+    if settings.retention_days <= 0:
+        return
+    every = min(settings.retention_days * 86400 / 4, 3600.0)
+    closed = workflow_closed_probe(client)
+    while True:
+        try:
+            report = await collect(settings, closed, older_than_s=settings.retention_days * 86400)
+            if report.removed_tasks:
+                log.info("retention", removed_tasks=len(report.removed_tasks), freed_bytes=report.freed_bytes)
+        except Exception as err:  # noqa: BLE001 - housekeeping must not stop the worker
+            log.warning("retention_failed", error=str(err))
+        await asyncio.sleep(every)
 
 
 async def run_worker() -> None:
     """Run the workers until SIGTERM / SIGINT."""
-    _undumpable()
+    make_undumpable()
+    take_secrets()
     settings = load_settings()
     configure_logging(settings)
     log = structlog.get_logger("stopline.worker")
-    # One runtime per process: it owns the Prometheus listener (if any).
-    # Built first, so a bad or taken address fails before anything starts.
-    metrics_runtime = build_runtime(settings)
+    # One runtime per process: it owns the Prometheus listener (if any) and
+    # forwards the core's logs into ours. Built first, so a bad or taken
+    # address fails before anything starts.
+    runtime = worker_runtime(settings)
     codec_from_settings(settings)  # a malformed STOPLINE_CODEC_KEY fails here too
     # One worker per home: the host id lives there (DESIGN §7). The lock is
     # held for the life of this process; the kernel drops it if we die.
@@ -82,6 +119,15 @@ async def run_worker() -> None:
     reaped = reap_orphan_calls(settings)
     if reaped:
         log.warning("reaped_orphan_calls", pgids=reaped)
+    sandbox = sandbox_status(settings)
+    if sandbox.available:
+        log.info("sandbox_ready", sandbox=sandbox.detail)
+    else:
+        log.warning(
+            "sandbox_unavailable", reason=sandbox.detail,
+            consequence="shell calls of tasks without allow_unconfined are refused; "
+            "tasks with it run commands unconfined, with a ledger row per call",
+        )
     started_server = False
     address = configured_address(settings)
     embedded = None
@@ -91,7 +137,7 @@ async def run_worker() -> None:
         started_server = not was_running
     # a configured cluster: TLS, mTLS, API key from envconfig; the embedded
     # server: a plain connection to the address we started
-    client = await connect(settings, address=embedded, runtime=metrics_runtime)
+    client = await connect(settings, address=embedded, runtime=runtime)
     workers = build_workers(client, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -101,12 +147,14 @@ async def run_worker() -> None:
         "worker_started", address=address, task_queue=settings.task_queue,
         host_id=host.host_id, hostname=host.hostname, capacity=settings.host_capacity,
         host_task_queue=workers[-1].task_queue,
-        metrics=f"http://{settings.metrics_bind}/metrics" if metrics_runtime else None,
+        metrics=f"http://{settings.metrics_bind}/metrics" if settings.metrics_bind else None,
     )
     runs = [asyncio.create_task(w.run()) for w in workers]
+    housekeeping = asyncio.create_task(_retention_loop(client, settings, log))
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait([waiter, *runs], return_when=asyncio.FIRST_COMPLETED)
     log.info("worker_stopping")
+    housekeeping.cancel()
     await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
     for r in runs:
         if r.done() and r.exception() is not None:
@@ -119,10 +167,8 @@ async def run_worker() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point. Exits without interpreter finalization, which the
     Temporal SDK's native threads can abort ("PyGILState_Release")."""
-    import os
-    import sys
-
     import argparse
+    import sys
 
     argparse.ArgumentParser(
         prog="worker.py",

@@ -9,6 +9,7 @@ stray server from another run is never the one we talk to or kill.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,9 @@ from temporalio.runtime import Runtime as TemporalRuntime
 from temporalio.worker import Worker
 
 from stopline.settings import Settings
+
+#: Environment variable naming the pipe a spawned worker reads its secrets from.
+SECRETS_FD_ENV = "STOPLINE_SECRETS_FD"
 
 #: Default graceful shutdown for in-flight activities on SIGTERM (seconds; the
 #: setting STOPLINE_WORKER_SHUTDOWN_GRACE_S is the one place it is defined);
@@ -366,17 +370,49 @@ def background_worker(settings: Settings) -> Managed:
     return Managed("worker", run / "worker.pid", run / "worker.log")
 
 
-def _spawn(managed: Managed, argv: list[str], env: dict[str, str] | None = None) -> int:
+def _spawn(
+    managed: Managed,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    secrets: dict[str, str] | None = None,
+) -> int:
+    """Start a managed process in its own session, with no secret in its environment.
+
+    A process's initial environment stays readable in ``/proc/<pid>/environ``
+    for its life, so ``env`` (default: this one's) is passed through
+    :func:`stopline.secrets.service_env`. A process that needs secrets (the
+    background worker) gets them as JSON on a pipe named by
+    ``STOPLINE_SECRETS_FD`` (:func:`stopline.worker.main.take_secrets`).
+    """
+    from stopline.secrets import service_env
+
     managed.pid_file.parent.mkdir(parents=True, exist_ok=True)
-    with managed.log_file.open("ab") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-        )
+    env = service_env(env)
+    pass_fds: tuple[int, ...] = ()
+    read_end = -1
+    if secrets:
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, json.dumps(secrets).encode())  # far below a pipe's buffer
+        finally:
+            os.close(write_end)
+        env[SECRETS_FD_ENV] = str(read_end)
+        pass_fds = (read_end,)
+    try:
+        with managed.log_file.open("ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+                pass_fds=pass_fds,
+            )
+    finally:
+        if read_end >= 0:
+            os.close(read_end)
     managed.pid_file.write_text(str(proc.pid))
     return proc.pid
 
@@ -452,6 +488,9 @@ def _wait_port(port: int, wait_s: float, managed: Managed) -> None:
 def start_background_worker(settings: Settings, address: str) -> int:
     """Start ``python worker.py``-equivalent in the background (PID file).
 
+    It gets the provider and codec keys on a pipe, not in its environment
+    (:func:`_spawn`).
+
     Args:
         settings: Settings (passed through the environment).
         address: Temporal frontend address.
@@ -463,8 +502,11 @@ def start_background_worker(settings: Settings, address: str) -> int:
     existing = managed.pid()
     if existing is not None:
         return existing
+    from stopline.secrets import SECRET_ENV_NAMES
+
     env = dict(os.environ)
     env["TEMPORAL_ADDRESS"] = address
     env["STOPLINE_HOME"] = str(settings.home)
     env["STOPLINE_TASK_QUEUE"] = settings.task_queue
-    return _spawn(managed, [sys.executable, "-m", "stopline.worker.main"], env=env)
+    secrets = {k: os.environ[k] for k in SECRET_ENV_NAMES if os.environ.get(k)}
+    return _spawn(managed, [sys.executable, "-m", "stopline.worker.main"], env=env, secrets=secrets)

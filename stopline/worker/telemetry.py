@@ -23,10 +23,18 @@ reason for a task not to run.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import structlog
-from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.runtime import (
+    LogForwardingConfig,
+    LoggingConfig,
+    PrometheusConfig,
+    Runtime,
+    TelemetryConfig,
+    TelemetryFilter,
+)
 
 from stopline.settings import Settings
 
@@ -59,9 +67,37 @@ def build_runtime(settings: Settings) -> Runtime | None:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"STOPLINE_METRICS_BIND must be host:port, got {bind!r}")
     try:
-        return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=bind)))
+        return Runtime(
+            telemetry=TelemetryConfig(
+                logging=core_logging(), metrics=PrometheusConfig(bind_address=bind)
+            )
+        )
     except Exception as err:  # the core raises a plain exception for a taken port
         raise RuntimeError(f"cannot serve metrics on {bind}: {err}") from err
+
+
+def core_logging() -> LoggingConfig:
+    """The Temporal core's (Rust) log lines, forwarded to the ``temporalio.core`` logger.
+
+    Left to itself the core writes its warnings straight to stderr, in its
+    own format and unredacted; forwarded, they pass through
+    ``stopline.logging``'s formatter (JSON when asked, secrets redacted)
+    like every other line. Same levels as the SDK's default: core WARN,
+    other crates ERROR.
+    """
+    return LoggingConfig(
+        filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+        forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")),
+    )
+
+
+def worker_runtime(settings: Settings) -> Runtime:
+    """The worker's one runtime: :func:`build_runtime`'s, or one that only forwards core logs.
+
+    Raises:
+        ValueError, RuntimeError: As :func:`build_runtime`.
+    """
+    return build_runtime(settings) or Runtime(telemetry=TelemetryConfig(logging=core_logging()))
 
 
 def tracing_interceptors(settings: Settings) -> list[Any]:

@@ -147,6 +147,13 @@ class LedgerMixin:
                 and (call.arguments or {}).get("background") is True):
             # remember where it runs: a lost host takes its shells with it
             self._shells[background_shell_id(workflow.info().workflow_id, call.id)] = self._host.host_id
+        if outcome.unconfined_reason:
+            # the audit trail of a command run outside the sandbox (DESIGN §2)
+            self._append(
+                "system", model_visible=False, call_id=call.id, tool_name=call.name,
+                text=f"{call.name} {call.id} ran unconfined (no sandbox): {outcome.unconfined_reason}",
+                meta={"unconfined": True},
+            )
         self._n.last_tool_outcome = outcome.text
         if outcome.ok and call.name in ("write_file", "apply_patch") and call.arguments:
             self._n.changed_paths.extend(written_paths(call))

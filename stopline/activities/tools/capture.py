@@ -8,14 +8,25 @@ large values are stored beside the ledger and referenced). When the output
 outgrows the budget it is streamed, in arrival order, to a blob file whose
 path goes into ``RespondToModel.output_ref``.
 
+The blob is bounded too (``store_cap``): a command that prints 1 GiB keeps
+its first ``store_cap`` bytes on disk, a closing line says how much was not
+kept, and :attr:`OutputCapture.store_cut` lets the result say so. Configured
+secret values are replaced in the blob as it is written
+(:class:`stopline.secrets.StreamRedactor`), so the full output beside the
+ledger never holds one either.
+
 What it must never do: keep more than ``2 x budget`` bytes per call in
-memory, or block on anything but a local file write.
+memory, write more than ``store_cap`` bytes (plus one line) to disk, or block
+on anything but a local file write.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import TYPE_CHECKING, BinaryIO, Literal
+
+if TYPE_CHECKING:
+    from stopline.secrets import Redactor, StreamRedactor
 
 StreamName = Literal["stdout", "stderr"]
 
@@ -100,9 +111,19 @@ class OutputCapture:
         spill_path: Where to stream the full output once the total exceeds
             ``budget``; ``None`` never spills. stdout and stderr chunks are
             written interleaved in arrival order, like a terminal shows them.
+        store_cap: The most bytes of output written to ``spill_path``
+            (``None``: no cap).
+        redactor: Replaces secret values in what is written to the blob.
     """
 
-    def __init__(self, budget: int, spill_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        budget: int,
+        spill_path: Path | None = None,
+        *,
+        store_cap: int | None = None,
+        redactor: Redactor | None = None,
+    ) -> None:
         self.budget = max(budget, 0)
         self.streams: dict[StreamName, HeadTail] = {
             "stdout": HeadTail(self.budget),
@@ -110,10 +131,20 @@ class OutputCapture:
         }
         self.spill_path = spill_path
         self.spill_error: str | None = None
+        self.store_cap = store_cap
+        #: Bytes of output not written to the blob because of ``store_cap``.
+        self.store_dropped = 0
+        self._stored = 0
         self._early: list[bytes] = []
         self._early_size = 0
         self._spill: BinaryIO | None = None
         self._spilled = False
+        self._redact: StreamRedactor | None = redactor.stream() if redactor else None
+
+    @property
+    def store_cut(self) -> bool:
+        """Whether the blob holds less than the whole output (``store_cap``)."""
+        return self.store_dropped > 0
 
     @property
     def total(self) -> int:
@@ -134,7 +165,7 @@ class OutputCapture:
             return
         try:
             if self._spill is not None:
-                self._spill.write(data)
+                self._store(data)
                 return
             self._early.append(data)
             self._early_size += len(data)
@@ -143,17 +174,39 @@ class OutputCapture:
                 self._spill = open(self.spill_path, "wb")  # noqa: SIM115 - closed in close()
                 self._spilled = True
                 for chunk in self._early:
-                    self._spill.write(chunk)
+                    self._store(chunk)
                 self._early.clear()
         except OSError as err:
             self.spill_error = f"{type(err).__name__}: {err}"
             self._early.clear()
             self.close()
 
+    def _store(self, data: bytes) -> None:
+        """Write a chunk of output to the blob, up to ``store_cap`` bytes of output."""
+        assert self._spill is not None
+        if self.store_cap is not None:
+            room = self.store_cap - self._stored
+            if room < len(data):
+                self.store_dropped += len(data) - max(room, 0)
+                data = data[: max(room, 0)]
+        if not data:
+            return
+        self._stored += len(data)
+        if self._redact is not None:
+            data = self._redact.feed(data)
+        self._spill.write(data)
+
     def close(self) -> None:
-        """Close the blob file (idempotent)."""
+        """Close the blob file, ending it with a line saying what was cut (idempotent)."""
         if self._spill is not None:
             try:
+                if self._redact is not None:
+                    self._spill.write(self._redact.flush())
+                if self.store_dropped:
+                    self._spill.write(
+                        f"\n[... {self.store_dropped} more bytes of output not stored: "
+                        f"the stored copy is capped at {self.store_cap} bytes ...]\n".encode()
+                    )
                 self._spill.close()
             except OSError as err:
                 self.spill_error = self.spill_error or f"{type(err).__name__}: {err}"

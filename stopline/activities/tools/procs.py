@@ -13,6 +13,13 @@ name, no walking other sessions), or block the event loop waiting for a
 process (:func:`terminate_group` polls with ``asyncio.sleep``; the ``_sync``
 variant is for plain threads and short graces only).
 
+A sandboxed foreground call (:mod:`.sandbox`) is stopped the same way
+in spirit — SIGTERM, grace, SIGKILL — but through its sandbox
+(:func:`terminate_sandbox`): SIGTERM to the sandbox's session, SIGKILL to its
+PID 1, which takes its whole PID namespace with it. Its record names the
+``bwrap`` process's own group, so :func:`kill_call_groups` kills both kinds
+alike (``bwrap --die-with-parent``: its death kills the sandbox).
+
 "Member" means a live, non-zombie process whose process group id is the
 group's: a zombie has nothing left to kill, and in a container whose PID 1
 never reaps, zombies of re-parented children would otherwise look alive
@@ -207,6 +214,145 @@ def terminate_groups_sync(
     return result
 
 
+# ---------------------------------------------------------------------------
+# A foreground call's bubblewrap sandbox (see .sandbox).
+# ---------------------------------------------------------------------------
+
+
+def sandbox_init_pid(bwrap_pid: int) -> int | None:
+    """Host pid of a sandbox's PID 1: the one child of bubblewrap's monitor process.
+
+    Args:
+        bwrap_pid: The ``bwrap`` process the worker started.
+
+    Returns:
+        The pid, or ``None`` when there is none (not yet created, or gone).
+    """
+    try:
+        with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children", encoding="ascii") as f:
+            children = f.read().split()
+    except OSError:
+        try:
+            children = [str(c.pid) for c in psutil.Process(bwrap_pid).children()]
+        except psutil.Error:
+            return None
+    return int(children[0]) if children else None
+
+
+def _alive(pid: int) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def kill_sandbox(bwrap_pid: int, init_pid: int | None) -> None:
+    """SIGKILL a foreground sandbox: its PID 1 (the kernel then kills everything
+    in its PID namespace) and the ``bwrap`` monitor (whose death also kills
+    PID 1: ``--die-with-parent``)."""
+    if init_pid is not None:
+        try:
+            os.kill(init_pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    signal_group(bwrap_pid, signal.SIGKILL)
+
+
+async def terminate_sandbox(
+    bwrap_pid: int,
+    grace_s: float,
+    *,
+    exited: Callable[[], bool],
+    init_pid: int | None = None,
+) -> GroupEnd:
+    """SIGTERM a foreground sandbox's command, wait up to ``grace_s``, then SIGKILL it all.
+
+    DESIGN §3 in a sandbox: SIGTERM goes to the sandbox's session (created by
+    ``--new-session``; its id is the sandbox's PID 1, which ignores it as a
+    namespace's init does): the command and its process group get it, and
+    the supervisor, which defers it, then stops what the command left
+    behind. At the end of the grace, :func:`kill_sandbox`. Returns once the
+    ``bwrap`` process has exited and the sandbox's PID 1 is gone (a
+    cancellation while waiting goes straight to SIGKILL, as in
+    :func:`terminate_group`).
+
+    Args:
+        bwrap_pid: The ``bwrap`` process.
+        grace_s: Seconds between SIGTERM and SIGKILL.
+        exited: Whether ``bwrap`` has exited (reaps it, e.g. ``Popen.poll``).
+        init_pid: The sandbox's PID 1 when known (bubblewrap's ``--info-fd``);
+            else looked up while ``bwrap`` runs.
+
+    Returns:
+        ``"gone"``, ``"SIGTERM"`` or ``"SIGKILL"`` as :func:`terminate_group`.
+    """
+    init = init_pid if init_pid is not None else sandbox_init_pid(bwrap_pid)
+    if exited():
+        end: GroupEnd = "gone"
+    else:
+        end = "SIGKILL"
+        if init is not None:
+            signal_group(init, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while True:
+                if exited():
+                    end = "SIGTERM"
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                try:
+                    await asyncio.sleep(min(POLL_S, max(deadline - time.monotonic(), 0)))
+                except asyncio.CancelledError:
+                    uncancel_current_task()
+                    break
+        if end == "SIGKILL":
+            kill_sandbox(bwrap_pid, init)
+    settle = time.monotonic() + KILL_SETTLE_S
+    while time.monotonic() < settle and not exited():
+        try:
+            await asyncio.sleep(POLL_S)
+        except asyncio.CancelledError:
+            uncancel_current_task()
+            break
+    if init is not None:
+        await wait_gone(init, max(settle - time.monotonic(), 0.0))
+    return end
+
+
+async def wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for ``pid`` (not necessarily our child) to end.
+
+    Through a pidfd where the kernel has them (readable the moment the
+    process ends: no polling delay added to every call), else by polling.
+
+    Returns:
+        ``True`` when it is gone (or a zombie).
+    """
+    if not _alive(pid):
+        return True
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
+    loop = asyncio.get_running_loop()
+    ended = asyncio.Event()
+    try:
+        loop.add_reader(pidfd, ended.set)
+        try:
+            await asyncio.wait_for(ended.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            uncancel_current_task()
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return not _alive(pid)
+
+
 def uncancel_current_task() -> None:
     """Undo one ``Task.cancel()`` we deliberately swallow (keeps ``asyncio.timeout`` honest)."""
     task = asyncio.current_task()
@@ -275,8 +421,14 @@ def _ours(data: dict, owner: tuple[str, str, str]) -> bool:
     return (data.get("host_id"), data.get("boot_id"), data.get("pid_ns")) == owner
 
 
-def record_call(settings: Settings, task_id: str, call_id: str, *, pid: int, pgid: int) -> CallRecord:
+def record_call(
+    settings: Settings, task_id: str, call_id: str, *, pid: int, pgid: int, **extra: object
+) -> CallRecord:
     """Write ``<procs_dir>/<task_id>/<call_id>.json`` for a call that just spawned.
+
+    For a sandboxed call the group is the ``bwrap`` process's own: killing
+    it kills the sandbox (``--die-with-parent``), so :func:`kill_call_groups`
+    treats both kinds alike.
 
     Args:
         settings: Where the state lives.
@@ -284,6 +436,7 @@ def record_call(settings: Settings, task_id: str, call_id: str, *, pid: int, pgi
         call_id: The tool call.
         pid: Leader pid.
         pgid: Its process group id.
+        **extra: More JSON fields for the record (e.g. ``sandbox=True``).
 
     Returns:
         The record written (``started_at`` in Unix seconds).
@@ -296,7 +449,7 @@ def record_call(settings: Settings, task_id: str, call_id: str, *, pid: int, pgi
     )
     write_json_atomic(
         call_record_path(settings, task_id, call_id),
-        {"pgid": rec.pgid, "pid": rec.pid, "started_at": rec.started_at,
+        {**extra, "pgid": rec.pgid, "pid": rec.pid, "started_at": rec.started_at,
          "host_id": rec.host_id, "boot_id": rec.boot_id, "pid_ns": rec.pid_ns},
     )
     return rec

@@ -27,11 +27,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from stopline.core.contracts import Fatal, RespondToModel, ToolCallInput, ToolSpec
+from stopline.core.errors import ToolError
+from stopline.secrets import current_redactor
 from stopline.settings import Settings, load_settings
 
 from . import files, shell
 from ._context import CallProgress, ToolContext
-from .workspace import OutsideWorkspace, resolve_in_workspace
+from .workspace import resolve_in_workspace
 
 # ---------------------------------------------------------------------------
 # Argument models (extra fields are rejected so a misspelt name is reported).
@@ -327,7 +329,7 @@ async def _dispatch(
     ctx = ToolContext(inp, settings or load_settings(), workspace, progress)
     try:
         return await tool.handler(ctx, args)
-    except OutsideWorkspace as err:
+    except ToolError as err:  # a path outside the workspace, or through a link
         return RespondToModel(ok=False, text=f"{name}: {err}")
 
 
@@ -354,7 +356,8 @@ async def run_tool(
         invalid (``"invalid arguments for <tool>: <field>: <why>"``), a path
         outside the workspace, or ``"tool <name> raised <Type>: <msg>"`` for
         an exception escaping the handler. ``elapsed_s`` is always set.
-        ``Fatal`` only if a handler returns one (none of these do).
+        ``Fatal`` only if a handler returns one (none of these do). Every
+        configured secret value in the text is replaced (``stopline.secrets``).
 
     Raises:
         asyncio.CancelledError: Only from handlers that do not own their
@@ -363,17 +366,21 @@ async def run_tool(
     """
     progress = progress if progress is not None else CallProgress()
     started = time.monotonic()
+    settings = settings or load_settings()
     name = inp.call.name
     try:
         outcome = await _dispatch(inp, progress, settings)
     except Exception as err:  # noqa: BLE001 - the tool boundary: DESIGN §2
         outcome = RespondToModel(ok=False, text=f"tool {name} raised {type(err).__name__}: {err}")
+    redactor = current_redactor(settings)
     match outcome:
         case RespondToModel():
             if not outcome.aborted:
                 progress.terminal = True
             if not outcome.elapsed_s:
                 outcome.elapsed_s = round(time.monotonic() - started, 3)
+            outcome.text = redactor.text(outcome.text)
         case Fatal():
             progress.terminal = True
+            outcome.reason = redactor.text(outcome.reason)
     return outcome

@@ -23,11 +23,25 @@ returns once every pipe is closed, so a grandchild holding stdout would hang
 the call. Here the leader's exit is watched through a pidfd and the pipes are
 read with ``loop.add_reader``, both owned and closed by this module.
 
-What it must never do: return while a process of a foreground call's group
-is alive; keep more than the capture budget in memory; pass the worker's
-secrets to a child (variables whose names look like credentials — API keys,
-tokens, secrets, passwords — are removed from the child's environment, since
-anything a command prints reaches the model and the ledger; DESIGN §5).
+Confinement (:mod:`.sandbox`): each command runs in a bubblewrap sandbox —
+the workspace read-write, the system read-only, its own PID namespace, no
+network unless the task allows it. In a foreground sandbox the command runs
+under a small supervisor that stops what it left behind and says so; the
+sandbox's PID namespace makes "the whole group is gone" hold for ``setsid``
+escapers too. Where the sandbox cannot run, the task's ``allow_unconfined``
+decides: refuse the call (``ok=False``, the model reads why) or run it as a
+plain process group (the result carries ``unconfined_reason``, which the
+workflow records). The environment is an allowlist either way
+(:func:`.sandbox.tool_env`).
+
+Disk: a call's full output is stored up to ``tool_output_store_cap_bytes``
+(the result says where it was cut) and a background shell's log through a
+rotating relay (:mod:`._logrelay`) capped at ``shell_log_cap_bytes``.
+
+What it must never do: return while a process of a foreground call is alive;
+keep more than the capture budget in memory; pass the worker's environment
+to a child (anything a command prints reaches the model and the ledger;
+DESIGN §5).
 """
 
 from __future__ import annotations
@@ -38,8 +52,10 @@ import fcntl
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -47,6 +63,7 @@ from typing import Any
 
 from stopline.core.contracts import RespondToModel
 from stopline.core.policies import background_shell_id
+from stopline.secrets import service_env
 from stopline.settings import Settings, load_settings
 
 from ._context import ToolContext
@@ -61,12 +78,16 @@ from .capture import OutputCapture, StreamName, clip_text, omitted_marker
 from .procs import (
     forget_call,
     group_members,
+    kill_sandbox,
     pipe_holders,
     record_call,
+    sandbox_init_pid,
     terminate_group,
     terminate_groups_sync,
+    terminate_sandbox,
     uncancel_current_task,
 )
+from .sandbox import SANDBOX_HOME, Confinement, bwrap_argv, confine, supervised, tool_env
 
 #: Seconds to keep reading output after the group is gone (a process that
 #: escaped the group may hold the pipe open forever).
@@ -80,17 +101,8 @@ READ_CHUNK = 1 << 20
 #: headers, omission markers and notes.
 TEXT_OVERHEAD_BYTES = 512
 
-_SECRET_NAME = re.compile(r"API_?KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-
-
-def child_env() -> dict[str, str]:
-    """The environment for tool processes: the worker's, minus credential-like variables.
-
-    Returns:
-        ``os.environ`` without names matching API key / secret / token /
-        password / credential (DESIGN §5: secrets never reach history).
-    """
-    return {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}
+#: The log relay of background shells (a stdlib-only script run by path).
+LOG_RELAY = Path(__file__).with_name("_logrelay.py")
 
 
 def content_budget(cap_bytes: int) -> int:
@@ -108,14 +120,44 @@ def to_argv(command: str | list[str]) -> list[str]:
     return ["bash", "-c", command] if isinstance(command, str) else list(command)
 
 
-def _describe_exit(returncode: int) -> str:
-    if returncode >= 0:
-        return f"exit code {returncode}"
+def _signal_name(number: int) -> str | None:
     try:
-        name = signal.Signals(-returncode).name
+        return signal.Signals(number).name
     except ValueError:
-        name = str(-returncode)
-    return f"killed by signal {name}"
+        return None
+
+
+def _describe_exit(returncode: int, *, sandboxed: bool = False) -> str:
+    """``exit code N`` or ``killed by signal NAME``.
+
+    In a sandbox the code comes through a shell (bubblewrap's supervisor), so
+    a death by signal N arrives as 128+N and is said as such.
+    """
+    if returncode < 0:
+        return f"killed by signal {_signal_name(-returncode) or -returncode}"
+    name = _signal_name(returncode - 128) if sandboxed and returncode > 128 else None
+    if name:
+        return f"exit code {returncode} (128+{returncode - 128}: killed by signal {name})"
+    return f"exit code {returncode}"
+
+
+def _refused(text: str) -> RespondToModel:
+    return RespondToModel(ok=False, text=f"shell {text}")
+
+
+def _missing_program(argv: list[str], cwd: Path, env: dict[str, str]) -> str | None:
+    """Why ``argv[0]`` cannot be started (checked before a sandbox spawn), or ``None``."""
+    program = argv[0]
+    if "/" in program:
+        path = Path(program) if os.path.isabs(program) else cwd / program
+        if not path.exists():
+            return f"could not start {program!r}: program not found (No such file or directory)"
+        if not os.access(path, os.X_OK) or path.is_dir():
+            return f"could not start {program!r}: Permission denied"
+        return None
+    if shutil.which(program, path=env.get("PATH")) is None:
+        return f"could not start {program!r}: program not found (not on PATH)"
+    return None
 
 
 def _spawn_error(argv: list[str], cwd: Path, err: OSError) -> str:
@@ -256,7 +298,13 @@ class _ExitWatcher:
 
 
 class _Foreground:
-    """One foreground run: spawn, wait, stop the group, drain, render."""
+    """One foreground run: spawn, wait, stop what it started, drain, render.
+
+    Unconfined, "what it started" is its process group. Sandboxed
+    (``report_fd`` set), it is everything in the sandbox: the supervisor
+    reports what the command left running through ``report_fd``, and
+    stopping early is :func:`.procs.terminate_sandbox`.
+    """
 
     def __init__(
         self,
@@ -265,8 +313,14 @@ class _Foreground:
         readers: list[_PipeReader],
         capture: OutputCapture,
         started: float,
+        *,
+        command: str | list[str],
+        confinement: Confinement,
+        report_fd: int = -1,
+        info_fd: int = -1,
     ) -> None:
         self.ctx = ctx
+        self.command = command
         self.popen = popen
         self.pgid = popen.pid  # start_new_session: the leader's pid is the group id
         self.readers = readers
@@ -274,10 +328,54 @@ class _Foreground:
         self.started = started
         self.grace_s = ctx.inp.kill_grace_s
         self.watcher = _ExitWatcher(asyncio.get_running_loop(), popen)
+        self.confinement = confinement
+        self.sandboxed = confinement.sandbox is not None
+        self.report_fd = report_fd
+        self.info_fd = info_fd
+        self._info = b""
+        self._init: int | None = None
         self.notes: list[str] = []
 
     def _reap(self) -> None:
         self.popen.poll()
+
+    def _exited(self) -> bool:
+        return self.popen.poll() is not None
+
+    def _init_pid(self) -> int | None:
+        """Host pid of the sandbox's PID 1, from bubblewrap's ``--info-fd`` JSON."""
+        if self._init is None and self.info_fd >= 0:
+            with contextlib.suppress(OSError):
+                while True:
+                    data = os.read(self.info_fd, 4096)
+                    if not data:
+                        break
+                    self._info += data
+            found = re.search(rb'"child-pid"\s*:\s*(\d+)', self._info)
+            if found:
+                self._init = int(found.group(1))
+        return self._init
+
+    async def _stop(self) -> str:
+        """TERM, grace, KILL: the group (unconfined) or the sandbox."""
+        if self.sandboxed:
+            return await terminate_sandbox(
+                self.popen.pid, self.grace_s, exited=self._exited, init_pid=self._init_pid()
+            )
+        return await terminate_group(self.pgid, self.grace_s, reap=self._reap)
+
+    def _report(self) -> list[str]:
+        """What the supervisor wrote (it has exited: the pipe holds all of it)."""
+        if self.report_fd < 0:
+            return []
+        chunks = []
+        with contextlib.suppress(OSError):
+            while True:
+                data = os.read(self.report_fd, 4096)
+                if not data:
+                    break
+                chunks.append(data)
+        return b"".join(chunks).decode("ascii", "replace").split()
 
     async def run(self, timeout_s: float) -> RespondToModel:
         try:
@@ -290,26 +388,50 @@ class _Foreground:
         self.ctx.progress.terminal = True
         elapsed = time.monotonic() - self.started
         if exited:
-            leftover = group_members(self.pgid)
-            if leftover:
-                end = await terminate_group(self.pgid, self.grace_s, reap=self._reap)
-                self.notes.append(
-                    f"note: {len(leftover)} process(es) still running in the command's process "
-                    f"group after it exited were stopped ({end}); use background=true for "
-                    "processes that must keep running"
+            if self.sandboxed:
+                report = self._report()
+                if report[:1] == ["notfound"]:
+                    await self._drain()
+                    self.capture.close()
+                    argv = to_argv(self.command)
+                    return RespondToModel(ok=False, text=(
+                        f"could not start {argv[0]!r}: program not found in the sandbox (it shows "
+                        "the workspace and the system directories)"
+                    ))
+                if report[:1] == ["left"] and len(report) >= 3:
+                    self.notes.append(self._leftover_note(int(report[1]), report[2]))
+                # the sandbox's PID 1 dies with bwrap (and the kernel empties
+                # its namespace first): wait until it has
+                await terminate_sandbox(
+                    self.popen.pid, 0.0, exited=self._exited, init_pid=self._init_pid()
                 )
-            status = f"{_describe_exit(self.popen.returncode or 0)} after {elapsed:.1f}s"
+            else:
+                leftover = group_members(self.pgid)
+                if leftover:
+                    end = await terminate_group(self.pgid, self.grace_s, reap=self._reap)
+                    self.notes.append(self._leftover_note(len(leftover), end))
+            code = _describe_exit(self.popen.returncode or 0, sandboxed=self.sandboxed)
+            status = f"{code} after {elapsed:.1f}s"
         else:
-            end = await terminate_group(self.pgid, self.grace_s, reap=self._reap)
+            end = await self._stop()
             how = "SIGTERM" if end != "SIGKILL" else "SIGKILL: it did not exit on SIGTERM"
-            status = f"timed out after {timeout_s:g}s; its process group was stopped ({how})"
+            what = "its sandbox was" if self.sandboxed else "its process group was"
+            status = f"timed out after {timeout_s:g}s; {what} stopped ({how})"
         await self._drain()
         return self._result(status, terminal=True)
+
+    @staticmethod
+    def _leftover_note(count: int, end: str) -> str:
+        return (
+            f"note: {count} process(es) the command started were still running after it "
+            f"exited (children, or ones that left its process group with setsid) and were "
+            f"stopped ({end}); use background=true for processes that must keep running"
+        )
 
     async def _abort(self) -> RespondToModel:
         """Cancelled before the process exited: TERM now, KILL after the grace (DESIGN §3)."""
         cancelled_at = time.monotonic() - self.started
-        end = await terminate_group(self.pgid, self.grace_s, reap=self._reap)
+        end = await self._stop()
         if end == "SIGKILL":
             self.notes.append("note: it did not exit on SIGTERM and was killed with SIGKILL")
         await self._drain(ABORT_DRAIN_DEADLINE_S)
@@ -343,7 +465,8 @@ class _Foreground:
             # A process holding the call's output pipe was spawned by the
             # call (it inherited the pipe), even if it left the group with
             # setsid: it goes too, so nothing of the call keeps writing
-            # (DESIGN §3). Background shells never hold a call's pipe.
+            # (DESIGN §3). Background shells never hold a call's pipe. (In
+            # a sandbox every holder died with it; this is the unconfined case.)
             for pid in holders:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
@@ -359,6 +482,11 @@ class _Foreground:
         output_ref = None
         if self.capture.spilled and self.capture.spill_path is not None:
             output_ref = blob_ref(self.ctx.settings, self.capture.spill_path)
+            if self.capture.store_cut:
+                self.notes.append(
+                    f"note: the output was {self.capture.total} bytes; the stored copy keeps its "
+                    f"first {self.capture.store_cap} bytes (STOPLINE_TOOL_OUTPUT_STORE_CAP_BYTES)"
+                )
         elif self.capture.spill_error:
             self.notes.append(f"note: the full output could not be saved: {self.capture.spill_error}")
         text = "\n".join([status, *self.notes, self.capture.render()])
@@ -369,11 +497,15 @@ class _Foreground:
             aborted=aborted,
             elapsed_s=round(elapsed, 3),
             output_ref=output_ref,
+            unconfined_reason=self.confinement.unconfined_reason,
         )
 
     def cleanup(self) -> None:
-        """Last line of defence (sync): no group member, fd or record survives the call."""
-        if group_members(self.pgid):
+        """Last line of defence (sync): no process, fd or record of the call survives it."""
+        if self.sandboxed:
+            if self.popen.poll() is None:
+                kill_sandbox(self.popen.pid, self._init_pid() or sandbox_init_pid(self.popen.pid))
+        elif group_members(self.pgid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -381,6 +513,11 @@ class _Foreground:
         self.watcher.close()
         for reader in self.readers:
             reader.close()
+        for fd in (self.report_fd, self.info_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.report_fd = self.info_fd = -1
         self.capture.close()
         forget_call(self.ctx.settings, self.ctx.inp.task_id, self.ctx.inp.call.id)
 
@@ -388,47 +525,75 @@ class _Foreground:
 async def run_foreground(
     ctx: ToolContext, command: str | list[str], cwd: Path, timeout_s: float
 ) -> RespondToModel:
-    """Run ``command`` in its own process group and return when the group is gone.
+    """Run ``command`` (sandboxed when it can be) and return when all it started is gone.
 
     Args:
         ctx: The call's context (``kill_grace_s``, ``output_cap_bytes``,
-            state directories).
+            network and unconfined policy, state directories).
         command: A string (run with ``bash -c``) or an argv list.
         cwd: Working directory, already confined to the workspace.
-        timeout_s: Seconds before the group is stopped (SIGTERM, grace,
+        timeout_s: Seconds before the command is stopped (SIGTERM, grace,
             SIGKILL) and the result says "timed out".
 
     Returns:
         ``ok=True`` when it ran (any exit code, timeout, abort); ``ok=False``
-        when it could not be spawned. On cancellation: ``aborted=True``,
-        ``terminal=False`` (never raises ``CancelledError``).
+        when it could not be spawned, or was refused (no sandbox here and
+        the task does not allow running unconfined). On cancellation:
+        ``aborted=True``, ``terminal=False`` (never raises ``CancelledError``).
     """
+    confinement = confine(ctx.settings, ctx.inp)
+    if isinstance(confinement, str):
+        return _refused(confinement)
     argv = to_argv(command)
     inp = ctx.inp
     capture = OutputCapture(
         content_budget(inp.output_cap_bytes),
         blob_path(ctx.settings, inp.task_id, inp.call.id),
+        store_cap=ctx.settings.tool_output_store_cap_bytes,
+        redactor=_redactor(ctx.settings),
     )
+    # sandboxed: the supervisor reports on its stdin (report_w); bwrap says
+    # its PID 1's host pid on info_w
+    report_r = report_w = info_r = info_w = -1
+    if confinement.sandbox is not None:
+        report_r, report_w = os.pipe()
+        info_r, info_w = os.pipe()
+        os.set_blocking(report_r, False)
+        os.set_blocking(info_r, False)
+        spawn_argv = bwrap_argv(
+            confinement.sandbox, ctx.settings, workspace=ctx.workspace, cwd=cwd,
+            network=inp.network, foreground=True, info_fd=info_w,
+        ) + supervised(argv, inp.kill_grace_s)
+        env = tool_env(inp, home=SANDBOX_HOME)
+        spawn_cwd: Path = Path("/")
+        stdin: int = report_w
+        pass_fds: tuple[int, ...] = (info_w,)
+    else:
+        spawn_argv, env, spawn_cwd = argv, tool_env(inp, home=str(ctx.workspace)), cwd
+        stdin, pass_fds = subprocess.DEVNULL, ()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     started = time.monotonic()
     try:
         try:
             popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
+                spawn_argv,
+                stdin=stdin,
                 stdout=out_w,
                 stderr=err_w,
-                cwd=cwd,
-                env=child_env(),
+                cwd=spawn_cwd,
+                env=env,
                 start_new_session=True,
+                pass_fds=pass_fds,
             )
         finally:
-            os.close(out_w)
-            os.close(err_w)
+            for fd in (out_w, err_w, report_w, info_w):
+                if fd >= 0:
+                    os.close(fd)
     except OSError as err:
-        os.close(out_r)
-        os.close(err_r)
+        for fd in (out_r, err_r, report_r, info_r):
+            if fd >= 0:
+                os.close(fd)
         return RespondToModel(ok=False, text=_spawn_error(argv, cwd, err))
     loop = asyncio.get_running_loop()
     readers: list[_PipeReader] = []
@@ -436,8 +601,14 @@ async def run_foreground(
     try:
         readers.append(_PipeReader(loop, out_r, "stdout", capture))
         readers.append(_PipeReader(loop, err_r, "stderr", capture))
-        run = _Foreground(ctx, popen, readers, capture, started)
-        record_call(ctx.settings, inp.task_id, inp.call.id, pid=popen.pid, pgid=popen.pid)
+        run = _Foreground(
+            ctx, popen, readers, capture, started, command=command, confinement=confinement,
+            report_fd=report_r, info_fd=info_r,
+        )
+        record_call(
+            ctx.settings, inp.task_id, inp.call.id, pid=popen.pid, pgid=popen.pid,
+            sandbox=confinement.sandbox is not None,
+        )
         return await run.run(timeout_s)
     finally:
         if run is not None:
@@ -447,8 +618,8 @@ async def run_foreground(
                 os.killpg(popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=1.0)
-            for fd in (out_r, err_r):
-                if not any(r.fd == fd for r in readers):
+            for fd in (out_r, err_r, report_r, info_r):
+                if fd >= 0 and not any(r.fd == fd for r in readers):
                     with contextlib.suppress(OSError):
                         os.close(fd)
             for reader in readers:
@@ -456,15 +627,23 @@ async def run_foreground(
             capture.close()
 
 
+def _redactor(settings: Settings) -> Any:
+    from stopline.secrets import current_redactor
+
+    return current_redactor(settings)
+
+
 # ---------------------------------------------------------------------------
 # Background shells.
 # ---------------------------------------------------------------------------
 
-#: Background shells this worker process started: (task_id, shell_id) -> Popen.
-#: Held so a waiter thread reaps each child when it exits (no zombies).
-_BACKGROUND: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
-#: Exit codes the waiter threads saw: (task_id, shell_id) -> returncode.
-_BACKGROUND_EXIT: dict[tuple[str, str], int] = {}
+#: Background shells this worker process started: (task_id, shell_id, pid) -> Popen.
+#: Held so a waiter thread reaps each child when it exits (no zombies). The
+#: pid is part of the key: a shell id is stable per (task, call), and two
+#: state directories may hold the same one.
+_BACKGROUND: dict[tuple[str, str, int], subprocess.Popen[bytes]] = {}
+#: Exit codes the waiter threads saw: (task_id, shell_id, pid) -> returncode.
+_BACKGROUND_EXIT: dict[tuple[str, str, int], int] = {}
 _BACKGROUND_LOCK = threading.Lock()
 
 
@@ -478,8 +657,13 @@ def _record_path(settings: Settings, task_id: str, shell_id: str) -> Path:
     return shells_task_dir(settings, task_id) / f"{shell_id}.json"
 
 
-def _wait_background(key: tuple[str, str], popen: subprocess.Popen[bytes], record: Path) -> None:
-    """Thread body: reap the child when it exits; note its exit code in the record."""
+def _wait_background(
+    key: tuple[str, str, int],
+    popen: subprocess.Popen[bytes],
+    record: Path,
+    relay: subprocess.Popen[bytes] | None,
+) -> None:
+    """Thread body: reap the child (and its log relay) when it exits; note its exit code."""
     try:
         rc = popen.wait()
         with _BACKGROUND_LOCK:
@@ -488,21 +672,49 @@ def _wait_background(key: tuple[str, str], popen: subprocess.Popen[bytes], recor
         if data is not None:
             data.update(exit_code=rc, ended_at=time.time())
             write_json_atomic(record, data)
+        if relay is not None:
+            relay.wait()  # exits once everything the shell started is gone
     except Exception:  # noqa: BLE001 - a reaper thread must never raise
         pass
+
+
+def _start_relay(log: Path, cap: int) -> tuple[subprocess.Popen[bytes], int]:
+    """Start the log relay for a background shell; returns it and the pipe's write end."""
+    read_end, write_end = os.pipe()
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, READ_CHUNK)
+    try:
+        relay = subprocess.Popen(
+            [sys.executable, "-I", str(LOG_RELAY), str(log), str(cap)],
+            stdin=read_end,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=service_env({k: v for k, v in os.environ.items() if k in ("PATH", "LANG")}),
+            start_new_session=True,  # not in the shell's group: shell_kill leaves it to drain
+        )
+    except OSError:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    return relay, write_end
 
 
 async def start_background(ctx: ToolContext, command: str | list[str], cwd: Path) -> RespondToModel:
     """Start ``command`` as a background shell that outlives the call (DESIGN §3).
 
-    Its stdout+stderr are appended to ``<shells_dir>/<task>/<shell_id>.log``
-    and ``<shell_id>.json`` records ``shell_id, pid, pgid, command,
-    started_at, log``. Starting the same call twice (a retried activity)
-    reports the shell already started instead of starting another.
+    It runs in a sandbox of its own (the same confinement as a foreground
+    call, without ``--die-with-parent``: it survives the call, an interrupt
+    and a worker restart). Its stdout+stderr go through a relay
+    (:mod:`._logrelay`) to ``<shells_dir>/<task>/<shell_id>.log``, capped at
+    ``shell_log_cap_bytes`` (the newest output is kept), and
+    ``<shell_id>.json`` records ``shell_id, pid, pgid, command, started_at,
+    log``. Starting the same call twice (a retried activity) reports the
+    shell already started instead of starting another.
 
     Returns:
-        ``ok=True`` with the shell id, pid and log path; ``ok=False`` when it
-        could not be spawned.
+        ``ok=True`` with the shell id and pid; ``ok=False`` when it could
+        not be spawned or was refused (no sandbox, unconfined not allowed).
     """
     inp = ctx.inp
     shell_id = shell_id_for(inp.task_id, inp.call.id)
@@ -516,25 +728,48 @@ async def start_background(ctx: ToolContext, command: str | list[str], cwd: Path
         return RespondToModel(
             text=(
                 f"background shell {shell_id} was already started by this call "
-                f"(pid {existing.get('pid')}); log: {existing.get('log')}. "
+                f"(pid {existing.get('pid')}). "
                 f"Use shell_status / shell_kill with shell_id={shell_id!r}."
             )
         )
+    confinement = confine(ctx.settings, inp)
+    if isinstance(confinement, str):
+        return _refused(confinement)
     argv = to_argv(command)
-    with open(log, "ab") as logf:
-        try:
-            popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=child_env(),
-                start_new_session=True,
-            )
-        except OSError as err:
-            return RespondToModel(ok=False, text=_spawn_error(argv, cwd, err))
-    key = (inp.task_id, shell_id)
+    if confinement.sandbox is not None:
+        env = tool_env(inp, home=SANDBOX_HOME)
+        spawn_argv = bwrap_argv(
+            confinement.sandbox, ctx.settings, workspace=ctx.workspace, cwd=cwd,
+            network=inp.network, foreground=False,
+        ) + argv
+        spawn_cwd = Path("/")
+    else:
+        env = tool_env(inp, home=str(ctx.workspace))
+        spawn_argv, spawn_cwd = argv, cwd
+    missing = _missing_program(argv, cwd, env)
+    if missing is not None:
+        return RespondToModel(ok=False, text=missing)
+    cap = ctx.settings.shell_log_cap_bytes
+    try:
+        relay, write_end = _start_relay(log, cap)
+    except OSError as err:
+        return RespondToModel(ok=False, text=f"could not start the log relay of the shell: {err}")
+    try:
+        popen = subprocess.Popen(
+            spawn_argv,
+            stdin=subprocess.DEVNULL,
+            stdout=write_end,
+            stderr=subprocess.STDOUT,
+            cwd=spawn_cwd,
+            env=env,
+            start_new_session=True,
+        )
+    except OSError as err:
+        os.close(write_end)
+        relay.wait()
+        return RespondToModel(ok=False, text=_spawn_error(argv, cwd, err))
+    os.close(write_end)
+    key = (inp.task_id, shell_id, popen.pid)
     data: dict[str, Any] = {
         "shell_id": shell_id,
         "pid": popen.pid,
@@ -543,22 +778,26 @@ async def start_background(ctx: ToolContext, command: str | list[str], cwd: Path
         "cwd": str(cwd),
         "started_at": time.time(),
         "log": str(log),
+        "log_cap": cap,
         "call_id": inp.call.id,
+        "sandbox": confinement.sandbox is not None,
     }
     write_json_atomic(record, data)
     with _BACKGROUND_LOCK:
         _BACKGROUND[key] = popen
     threading.Thread(
-        target=_wait_background, args=(key, popen, record), name=f"reap-{shell_id}", daemon=True
+        target=_wait_background, args=(key, popen, record, relay), name=f"reap-{shell_id}",
+        daemon=True,
     ).start()
     ctx.progress.terminal = True
     return RespondToModel(
         text=(
-            f"started background shell {shell_id} (pid {popen.pid}); stdout and stderr are "
-            f"appended to {log}. It keeps running after this call and after an interrupt; "
-            f"use shell_status to see its state and log tail, shell_kill to stop it "
-            f"(shell_id={shell_id!r})."
-        )
+            f"started background shell {shell_id} (pid {popen.pid}); its stdout and stderr go "
+            f"to a log (the newest {cap} bytes are kept) that shell_status shows the tail of. "
+            f"It keeps running after this call and after an interrupt; use shell_kill to stop "
+            f"it (shell_id={shell_id!r})."
+        ),
+        unconfined_reason=confinement.unconfined_reason,
     )
 
 
@@ -572,11 +811,11 @@ def _shell_state(settings: Settings, task_id: str, data: dict[str, Any]) -> tupl
     shell_id = str(data.get("shell_id"))
     pgid = int(data.get("pgid", 0))
     with _BACKGROUND_LOCK:
-        rc = _BACKGROUND_EXIT.get((task_id, shell_id))
+        rc = _BACKGROUND_EXIT.get((task_id, shell_id, pgid))
     if rc is None and isinstance(data.get("exit_code"), int):
         rc = int(data["exit_code"])
     running = pgid > 1 and bool(group_members(pgid))
-    popen = _BACKGROUND.get((task_id, shell_id))
+    popen = _BACKGROUND.get((task_id, shell_id, pgid))
     if not running and rc is None and popen is not None:
         # Gone but not yet reaped by its waiter thread: that takes a moment.
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -594,18 +833,37 @@ def _shell_state(settings: Settings, task_id: str, data: dict[str, Any]) -> tupl
 
 
 def _log_tail(path: Path, budget: int) -> str:
+    """The last ``budget`` bytes of a background shell's log (``LOG.1`` then ``LOG``).
+
+    Says how much is left out: the part of the log not shown, and the
+    output the relay dropped to keep the log within its cap.
+    """
+    parts: list[bytes] = []
+    total = 0
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            if size > budget:
-                f.seek(size - budget)
-            raw = f.read(budget)
+        for piece in (Path(f"{path}.1"), path):
+            if not piece.exists():
+                continue
+            size = piece.stat().st_size
+            total += size
+            with open(piece, "rb") as f:
+                if size > budget:
+                    f.seek(size - budget)
+                parts.append(f.read(budget))
     except OSError as err:
         return f"(log unreadable: {err.strerror or err})"
+    raw = b"".join(parts)[-budget:] if budget > 0 else b""
     text = raw.decode("utf-8", errors="replace") or "(empty)"
-    if size > budget:
-        text = f"{omitted_marker(size - budget)}\n" + text
-    return text
+    lines = []
+    cut = read_json(Path(f"{path}.cut"))
+    if cut is not None and int(cut.get("dropped", 0)) > 0:
+        lines.append(
+            f"[log capped at {cut.get('cap')} bytes: the oldest {cut['dropped']} bytes of output "
+            "were dropped]"
+        )
+    if total > len(raw):
+        lines.append(omitted_marker(total - len(raw)))
+    return "\n".join([*lines, text])
 
 
 def _known_shells(settings: Settings, task_id: str) -> list[str]:
@@ -643,12 +901,13 @@ async def shell_status(ctx: ToolContext, shell_id: str) -> RespondToModel:
     running, rc = _shell_state(settings, task_id, data)
     pid = data.get("pid")
     age = time.time() - float(data.get("started_at", time.time()))
+    sandboxed = bool(data.get("sandbox"))
     if running and rc is None:
         state = f"running (pid {pid}, started {age:.1f}s ago)"
     elif running:
-        state = f"leader exited with {_describe_exit(rc)} but processes of its group are still running (pid {pid})"  # type: ignore[arg-type]
+        state = f"leader exited with {_describe_exit(rc, sandboxed=sandboxed)} but processes of its group are still running (pid {pid})"  # type: ignore[arg-type]
     elif rc is not None:
-        state = f"exited with {_describe_exit(rc)} (pid {pid})"
+        state = f"exited with {_describe_exit(rc, sandboxed=sandboxed)} (pid {pid})"
     else:
         state = f"exited, exit code unknown (pid {pid}; started by another worker process)"
     log = Path(str(data.get("log", "")))
@@ -673,7 +932,7 @@ async def shell_kill(ctx: ToolContext, shell_id: str) -> RespondToModel:
     pid = data.get("pid")
     if not running:
         ctx.progress.terminal = True
-        how = _describe_exit(rc) if rc is not None else "exit code unknown"
+        how = _describe_exit(rc, sandboxed=bool(data.get("sandbox"))) if rc is not None else "exit code unknown"
         return RespondToModel(text=f"shell {shell_id} (pid {pid}) had already exited ({how}); nothing to stop")
     end = await terminate_group(int(data["pgid"]), ctx.inp.kill_grace_s)
     ctx.progress.terminal = True

@@ -1,18 +1,21 @@
-"""Workspace confinement: every path a tool touches resolves inside the task's workspace.
+"""Workspace confinement by path: where a path given to a tool resolves.
 
 Why this module exists: the model chooses paths, and a path is the one
 argument that can reach outside the task (``../../etc``, an absolute path, a
-symlink planted inside the workspace that points elsewhere). Every file tool
-and every shell ``cwd`` goes through :func:`resolve_in_workspace` before any
-I/O (DESIGN §2: "a path outside the workspace" is a call that could not be
-made, ``ok=False``).
+symlink planted inside the workspace that points elsewhere). A shell call's
+``cwd`` goes through :func:`resolve_in_workspace` before the command starts
+(DESIGN §2: "a path outside the workspace" is a call that could not be made,
+``ok=False``).
 
 What it must never do: touch the file system beyond reading link targets
 (no creating, no opening), or accept a path by string prefix alone
 (``/ws-evil`` is not inside ``/ws``).
 
-Known limit: the check is made once, before the tool's I/O; a symlink swapped
-in between (a race with a process the model started) is not defended here.
+Known limit: the check is made once, before the I/O; a link swapped in
+between is not defended here. That is why the file tools do not use it: they
+open through :mod:`.beneath`, where the check is the open. For a ``cwd`` the
+limit does not matter when the command is sandboxed (the sandbox shows only
+the workspace).
 """
 
 from __future__ import annotations
