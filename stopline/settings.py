@@ -45,11 +45,23 @@ class Settings(BaseSettings):
         dev_server_ui_port: Port of its web UI.
         interrupt_grace_s: Seconds between an interrupt's cancel request and
             the hard abort (seed 002: 100 ms).
-        heartbeat_timeout_s: Activity heartbeat timeout in seconds; a worker
-            that dies is noticed after this long.
-        heartbeat_throttle_s: The worker's ``max_heartbeat_throttle_interval``
-            in seconds (Temporal throttles heartbeats to this; a cancel is
-            delivered on a heartbeat response).
+        heartbeat_timeout_s: Activity heartbeat timeout in seconds (the
+            tasks the CLI starts): a worker that dies is noticed after this
+            long (default 30 s; the placement bound is 60 s). Costs nothing
+            by itself; activities heartbeat at least every third of it.
+        heartbeat_throttle_s: Seconds between one running activity's
+            heartbeats: the interval of the activities' heartbeat loop and
+            the worker's ``max_heartbeat_throttle_interval``. Heartbeats
+            only prove liveness (cancels are pushed, DESIGN §3); each one
+            that reaches the server is a Temporal Cloud Action. Default 5 s:
+            0.2 RPC/s, 720 Actions/hour, $0.036/hour per running call at
+            $50 per million Actions. ``0.02`` is the old heartbeat-borne
+            cancel mode: 50 RPC/s, 180,000 Actions/hour, $9/hour per call.
+        push_cancel: Register this worker's ``stopline.cancel_calls``
+            activity, through which interrupts reach running calls at once
+            (``$STOPLINE_PUSH_CANCEL``, default on). Off: a cancel reaches a
+            call only on its next heartbeat, and an interrupt's hard abort
+            runs on the grace timer.
         tool_output_cap_bytes: Inline cap on tool output the model sees.
         sampling_timeout_s: start-to-close timeout of one sampling call.
         worker_shutdown_grace_s: Seconds in-flight activities get to finish
@@ -120,8 +132,9 @@ class Settings(BaseSettings):
     dev_server_port: int = 7233
     dev_server_ui_port: int = 8233
     interrupt_grace_s: float = 0.1
-    heartbeat_timeout_s: float = 5.0
-    heartbeat_throttle_s: float = 0.02
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    heartbeat_throttle_s: float = Field(default=5.0, gt=0)
+    push_cancel: bool = True
     tool_output_cap_bytes: int = 16_384
     sampling_timeout_s: float = 600.0
     worker_shutdown_grace_s: float = 10.0

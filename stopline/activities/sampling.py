@@ -17,6 +17,7 @@ returned or logged: they never enter workflow history (DESIGN §5).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ssl
 from datetime import timedelta
@@ -24,13 +25,20 @@ from datetime import timedelta
 import httpx
 import structlog
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from stopline.activities._heartbeat import heartbeating
 from stopline.activities.ledger import append_rows, default_store
+from stopline.activities.running import current, sampling_key
 from stopline.activities.providers.base import ProviderError
 from stopline.activities.providers.registry import get_adapter, parse_model_ref
-from stopline.core.contracts import SAMPLE_ACTIVITY, Refusal, SampleInput, SamplingResult
+from stopline.core.contracts import (
+    SAMPLE_ACTIVITY,
+    SAMPLING_DROPPED_ERROR,
+    Refusal,
+    SampleInput,
+    SamplingResult,
+)
 from stopline.core.policies import ConversationInvalid, rows_to_messages, validate_conversation
 from stopline.settings import Settings, load_settings
 
@@ -192,7 +200,7 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     transport = httpx.AsyncHTTPTransport(retries=0, verify=_tls_context())
     try:
         async with heartbeating(), httpx.AsyncClient(timeout=timeout, transport=transport) as client:
-            result = await adapter.sample(
+            call = adapter.sample(
                 client,
                 base_url=base_url,
                 api_key=api_key,
@@ -204,6 +212,23 @@ async def _sample(inp: SampleInput) -> SamplingResult:
                 stream=inp.stream,
                 on_progress=lambda: None,
             )
+            calls = current().calls
+            if calls is None:
+                result = await call
+            else:
+                # A registered unit: a pushed cancel drops the request here
+                # at once (DESIGN §3); httpx closes the connection.
+                result = await calls.run(inp.task_id, sampling_key(inp.round), call)
+    except asyncio.CancelledError:
+        if activity.is_cancelled():
+            raise  # Temporal's cancel (or a worker shutdown): the SDK reports it
+        raise ApplicationError(
+            "sampling dropped: the turn was interrupted",
+            {"attempt": info.attempt, "status": None},
+            type=SAMPLING_DROPPED_ERROR,
+            non_retryable=True,
+            category=ApplicationErrorCategory.BENIGN,  # an interrupt, not a fault: no warning
+        ) from None
     except ProviderError as e:
         log.warning(
             "provider_error", task_id=inp.task_id, provider=e.provider, status=e.status,
