@@ -8,6 +8,7 @@ and never serialized into a workflow input.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -188,8 +189,19 @@ class Settings(BaseSettings):
         return [Path(p).expanduser() for p in self.sandbox_ro_paths.split(":") if p.strip()]
 
 
+#: The last settings built from the environment alone, keyed by that
+#: environment: activities ask for settings on every call, and building them
+#: (pydantic-settings reads and validates every variable) cost ~1 ms of CPU
+#: each time — a tenth of a worker's CPU per round (bench/bench_throughput.py).
+_from_env: tuple[frozenset[tuple[str, str]], Settings] | None = None
+
+
 def load_settings(**overrides: object) -> Settings:
     """Build :class:`Settings` from the environment, then apply ``overrides``.
+
+    Without overrides the result is reused while the environment is
+    unchanged (a changed variable — a test's ``STOPLINE_HOME`` — builds
+    anew); treat it as read-only.
 
     Args:
         **overrides: Field values that win over the environment (CLI flags);
@@ -198,5 +210,11 @@ def load_settings(**overrides: object) -> Settings:
     Returns:
         The settings.
     """
+    global _from_env
     clean = {k: v for k, v in overrides.items() if v is not None}
-    return Settings(**clean)  # type: ignore[arg-type]
+    if clean:
+        return Settings(**clean)  # type: ignore[arg-type]
+    env = frozenset(os.environ.items())
+    if _from_env is None or _from_env[0] != env:
+        _from_env = (env, Settings())
+    return _from_env[1]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -333,6 +333,29 @@ class _HostInbound(ActivityInboundInterceptor):
             return await self.next.execute_activity(input)
         finally:
             _current.reset(token)
+
+
+async def finish_off_loop(fn: Callable[..., T], /, *args: Any) -> T:
+    """Run blocking ``fn(*args)`` in a thread and wait for it, even if cancelled.
+
+    For a step that must complete once started (an fsync of a result the
+    activity is about to return): a cancel arriving meanwhile is absorbed,
+    so the caller still returns its outcome. The event loop — every other
+    call of this worker — is not blocked while it runs.
+
+    Returns:
+        What ``fn`` returned.
+    """
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    while True:
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None:
+                me.uncancel()
+            if fut.done():
+                return fut.result()
 
 
 @activity.defn(name=CANCEL_CALLS_ACTIVITY)
