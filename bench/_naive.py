@@ -12,10 +12,12 @@ Temporal user would first write it, with the SDK's defaults.
   ``heartbeat`` is ``"sample"``; ``"none"`` heartbeats never — the default of
   agent frameworks whose activities have only a start-to-close timeout.
 
-Run as ``python bench/_naive.py ADDRESS TASK_QUEUE [METRICS_HOST:PORT]`` it
-is a worker process for these (until SIGTERM), so the benchmark can measure
-its CPU apart from its own; with the third argument its Temporal runtime
-serves Prometheus metrics there.
+Run as ``python bench/_naive.py ADDRESS TASK_QUEUE [--activity-queue Q]
+[--metrics HOST:PORT]`` it is a worker process for these (until SIGTERM), so
+the benchmark can measure its CPU apart from its own. ``--activity-queue``
+serves the activities on a second task queue (the loop is then started with
+``activity_queue``): what host-bound activities cost, without eager
+dispatch. ``--metrics``: its Temporal runtime serves Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class LoopInput:
     max_rounds: int = 50
     tool_run_s: float = 0.0
     heartbeat: str = "none"  # "sample" | "none"
+    activity_queue: str | None = None  # None: the workflow's own queue (eager dispatch)
 
 
 _http: Any = None
@@ -130,7 +133,8 @@ class NaiveLoop:
         heartbeat_timeout = timedelta(seconds=2) if inp.heartbeat == "sample" else None
         for rnd in range(1, inp.max_rounds + 1):
             out = await workflow.execute_activity(
-                naive_model, ModelInput(inp.url, messages), start_to_close_timeout=timedelta(seconds=60)
+                naive_model, ModelInput(inp.url, messages), task_queue=inp.activity_queue,
+                start_to_close_timeout=timedelta(seconds=60),
             )
             content: list[dict[str, Any]] = [{"type": "text", "text": out.text}] if out.text else []
             content += [{"type": "tool_use", **c} for c in out.tool_calls]
@@ -142,6 +146,7 @@ class NaiveLoop:
                 text = await workflow.execute_activity(
                     naive_tool,
                     ToolInput(inp.workspace, c["name"], c["input"], inp.tool_run_s, inp.heartbeat),
+                    task_queue=inp.activity_queue,
                     start_to_close_timeout=timedelta(seconds=max(60, inp.tool_run_s * 2)),
                     heartbeat_timeout=heartbeat_timeout,
                 )
@@ -150,7 +155,7 @@ class NaiveLoop:
         return inp.max_rounds
 
 
-async def _serve(address: str, queue: str, metrics_bind: str | None = None) -> None:
+async def _serve(address: str, queue: str, activity_queue: str | None, metrics_bind: str | None) -> None:
     from temporalio.client import Client
     from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
     from temporalio.worker import Worker
@@ -159,19 +164,34 @@ async def _serve(address: str, queue: str, metrics_bind: str | None = None) -> N
     if metrics_bind:
         runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=metrics_bind)))
     client = await Client.connect(address, runtime=runtime)
-    worker = Worker(client, task_queue=queue, workflows=[NaiveLoop], activities=[naive_model, naive_tool])
+    activities = [naive_model, naive_tool]
+    if activity_queue:
+        workers = [
+            Worker(client, task_queue=queue, workflows=[NaiveLoop]),
+            Worker(client, task_queue=activity_queue, activities=activities),
+        ]
+    else:
+        workers = [Worker(client, task_queue=queue, workflows=[NaiveLoop], activities=activities)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    run = asyncio.create_task(worker.run())
+    runs = [asyncio.create_task(w.run()) for w in workers]
     print("worker_started", flush=True)
     await stop.wait()
-    await worker.shutdown()
-    await asyncio.gather(run, return_exceptions=True)
+    await asyncio.gather(*(w.shutdown() for w in workers))
+    await asyncio.gather(*runs, return_exceptions=True)
 
 
 if __name__ == "__main__":
-    asyncio.run(_serve(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None))
+    import argparse
+
+    p = argparse.ArgumentParser(description="a worker for the naive loop")
+    p.add_argument("address")
+    p.add_argument("queue")
+    p.add_argument("--activity-queue", help="serve the activities on this second queue")
+    p.add_argument("--metrics", help="host:port for the runtime's Prometheus endpoint")
+    a = p.parse_args()
+    asyncio.run(_serve(a.address, a.queue, a.activity_queue, a.metrics))
     sys.stdout.flush()
     os._exit(0)

@@ -110,7 +110,9 @@ async def start_mode(client: Client, home: Path, mode: Mode, args: argparse.Name
     if mode.kind == "stopline":
         worker = stopline_worker(address, home, queue, log, metrics_bind=bind, **mode.settings)
     else:
-        worker = WorkerProcess([sys.executable, str(REPO / "bench" / "_naive.py"), address, queue, bind], {}, log)
+        worker = WorkerProcess(
+            [sys.executable, str(REPO / "bench" / "_naive.py"), address, queue, "--metrics", bind], {}, log
+        )
     await worker.ready()
     run = Running(mode, worker, queue, f"http://{bind}/metrics", [], [])
     run_s = args.window + 30

@@ -19,11 +19,18 @@ scripted servers and this client run here):
   sampling; default settings, JSON logs);
 - naive: ``bench/_naive.py`` — a minimal workflow calling a model activity
   (the whole conversation as input, one non-streamed request) and a tool
-  activity per round, no ledger: the floor of a round on Temporal.
+  activity per round, no ledger: the floor of a round on Temporal. Its
+  activities share the workflow's task queue, so the server hands each one
+  out eagerly with the workflow task that scheduled it;
+- naive, host queue: the same loop with its activities on a second task
+  queue, as stopline's host-bound activities are (DESIGN §7): each goes
+  through matching (AddActivityTask, a poll) — the cost of binding work to
+  a host, apart from stopline's own.
 
-Levels run in order; at each level the two loops alternate (stopline, then
-naive) after one uncounted warm-up task of each. Goal: at 50 concurrent
-tasks stopline's rounds/s ≥ 1.0× the naive loop's. The load average is
+Levels run in order; at each level the loops run one after the other
+(stopline, naive, naive on a host queue) after one uncounted warm-up task of
+each. Goal: at 50 concurrent tasks stopline's rounds/s ≥ 1.0× the naive
+loop's. The load average is
 printed before and after (2-core machine: figures taken above ~1.5 are
 skewed by other work).
 
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 import time
 import uuid
@@ -103,10 +111,12 @@ async def stopline_task(client: Client, queue: str, home: Path, server: Scripted
     return result.rounds
 
 
-async def naive_task(client: Client, queue: str, home: Path, server: ScriptedServer, rounds: int) -> int:
+async def naive_task(client: Client, queue: str, home: Path, server: ScriptedServer, rounds: int,
+                     activity_queue: str | None = None) -> int:
     done = await client.execute_workflow(
         NAIVE_WORKFLOW,
-        LoopInput(url=server.url, workspace=str(fresh_workspace(home)), max_rounds=rounds + 5),
+        LoopInput(url=server.url, workspace=str(fresh_workspace(home)), max_rounds=rounds + 5,
+                  activity_queue=activity_queue),
         id=f"naive-{uuid.uuid4().hex[:12]}",
         task_queue=queue,
         result_type=int,
@@ -115,6 +125,10 @@ async def naive_task(client: Client, queue: str, home: Path, server: ScriptedSer
         raise RuntimeError(f"naive loop made {done} rounds, expected {rounds}")
     return done
 
+
+#: The naive loop with its activities on a second task queue, as host-bound
+#: activities are (DESIGN §7): no eager dispatch.
+NAIVE_HOST_QUEUE = "naive, host queue"
 
 Runner = Callable[[Client, str, Path, ScriptedServer, int], Awaitable[int]]
 
@@ -144,13 +158,14 @@ async def main(args: argparse.Namespace) -> None:
             client = env.client
             address = client.service_client.config.target_host
             server_pid = dev_server_pid(env)
-            sq, nq = fresh_queue("tp-stopline"), fresh_queue("tp-naive")
+            sq, nq, hq = fresh_queue("tp-stopline"), fresh_queue("tp-naive"), fresh_queue("tp-naive2")
+            naive = [sys.executable, str(REPO / "bench" / "_naive.py"), address]
             workers = {
                 "stopline": (stopline_worker(address, home, sq, home / "logs" / "stopline.log"), sq, stopline_task),
-                "naive": (
-                    WorkerProcess([sys.executable, str(REPO / "bench" / "_naive.py"), address, nq], {},
-                                  home / "logs" / "naive.log"),
-                    nq, naive_task,
+                "naive": (WorkerProcess([*naive, nq], {}, home / "logs" / "naive.log"), nq, naive_task),
+                NAIVE_HOST_QUEUE: (
+                    WorkerProcess([*naive, hq, "--activity-queue", f"{hq}-host"], {}, home / "logs" / "naive2.log"),
+                    hq, functools.partial(naive_task, activity_queue=f"{hq}-host"),
                 ),
             }
             try:
@@ -182,16 +197,17 @@ def report(args: argparse.Namespace, results: list[Level]) -> None:
     for col in ("concurrent tasks", "loop", "rounds/s", "× naive", "worker CPU ms/round",
                 "server CPU ms/round", "total CPU ms/round", "wall s"):
         table.add_column(col, justify="left" if col in ("loop",) else "right")
+    loops = ("stopline", "naive", NAIVE_HOST_QUEUE)
     for n in args.levels:
         naive = by["naive", n]
-        for loop in ("stopline", "naive"):
+        for loop in loops:
             r = by[loop, n]
             table.add_row(
                 str(n) if loop == "stopline" else "", loop, f"{r.rounds_per_s:.1f}",
                 f"{r.rounds_per_s / naive.rounds_per_s:.2f}×",
                 f"{r.ms_per_round(r.worker_cpu_s):.1f}", f"{r.ms_per_round(r.server_cpu_s):.1f}",
                 f"{r.ms_per_round(r.worker_cpu_s + r.server_cpu_s):.1f}", f"{r.seconds:.1f}",
-                end_section=loop == "naive",
+                end_section=loop == loops[-1],
             )
     console.print(table)
     top = max(args.levels)

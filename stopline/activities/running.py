@@ -20,6 +20,8 @@ Pieces:
 - :func:`cancel_calls` — the ``stopline.cancel_calls`` activity.
 - :class:`HostActivities` — the worker interceptor that tells each activity
   which registry and heartbeat interval its worker uses (:func:`current`).
+- :func:`finish_off_loop` — a blocking step (an fsync) run in a thread,
+  finished even if a cancel arrives meanwhile.
 
 A unit's cancel is the same ``CancelledError`` Temporal's cancel would
 raise, delivered once whichever path comes first: a tool SIGTERMs its
@@ -27,8 +29,8 @@ process group, waits the grace, SIGKILLs it and returns what it captured
 (``stopline.activities.tools.shell``); a sampling call drops its request.
 
 What it must never do: cancel a unit of another task, cancel anything on a
-key it was not given, or block: every method but :meth:`RunningCalls.wait`
-returns at once.
+key it was not given, or block the event loop (``cancel`` and ``register``
+return at once; ``run`` and ``wait`` only await).
 """
 
 from __future__ import annotations
