@@ -18,8 +18,11 @@ Pieces:
   task can register (a tool call is ``call:<id>``, a sampling call
   ``sample:<round>``, see :func:`call_key` / :func:`sampling_key`).
 - :func:`cancel_calls` — the ``stopline.cancel_calls`` activity.
-- :class:`HostActivities` — the worker interceptor that tells each activity
-  which registry and heartbeat interval its worker uses (:func:`current`).
+- :class:`HostConfig` / :func:`current` — which registry and heartbeat
+  interval the worker running an activity uses; set per activity by the
+  worker's interceptor (``stopline.worker.interceptors.HostActivities``),
+  which lives worker-side so importing activity code (the CLI reads the
+  ledger through it) does not import ``temporalio.worker``.
 - :func:`finish_off_loop` — a blocking step (an fsync) run in a thread,
   finished even if a cancel arrives meanwhile.
 
@@ -45,11 +48,6 @@ from typing import Any, TypeVar
 
 import structlog
 from temporalio import activity
-from temporalio.worker import (
-    ActivityInboundInterceptor,
-    ExecuteActivityInput,
-    Interceptor,
-)
 
 from stopline.core.contracts import CANCEL_CALLS_ACTIVITY, CancelCallsInput, CancelCallsResult
 
@@ -295,46 +293,22 @@ def current() -> HostConfig:
 
 
 @contextmanager
-def configured(config: HostConfig) -> Iterator[HostConfig]:
-    """Use ``config`` for activities run in this block outside a worker
-    (``temporalio.testing.ActivityEnvironment``: tests, benchmarks)."""
+def using(config: HostConfig) -> Iterator[None]:
+    """Set ``config`` as :func:`current` for the block (the worker's
+    interceptor wraps every activity in it)."""
     token = _current.set(config)
     try:
-        yield config
+        yield
     finally:
         _current.reset(token)
 
 
-class HostActivities(Interceptor):
-    """Worker interceptor: each activity runs with this worker's :class:`HostConfig`.
-
-    A worker-level setting reaches the activity functions this way (the
-    SDK's extension point) rather than through module globals, so two
-    workers in one process — a test, a benchmark's side-by-side — can differ.
-
-    Args:
-        config: What the worker's activities see through :func:`current`.
-    """
-
-    def __init__(self, config: HostConfig) -> None:
-        self.config = config
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        """Wrap activity execution (SDK hook)."""
-        return _HostInbound(next, self.config)
-
-
-class _HostInbound(ActivityInboundInterceptor):
-    def __init__(self, next: ActivityInboundInterceptor, config: HostConfig) -> None:
-        super().__init__(next)
-        self._config = config
-
-    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-        token = _current.set(self._config)
-        try:
-            return await self.next.execute_activity(input)
-        finally:
-            _current.reset(token)
+@contextmanager
+def configured(config: HostConfig) -> Iterator[HostConfig]:
+    """Use ``config`` for activities run in this block outside a worker
+    (``temporalio.testing.ActivityEnvironment``: tests, benchmarks)."""
+    with using(config):
+        yield config
 
 
 async def finish_off_loop(fn: Callable[..., T], /, *args: Any) -> T:

@@ -183,7 +183,7 @@ def build_host_workers(
     ``settings.push_cancel`` the own-queue worker serves the
     ``stopline.cancel_calls`` control activity, and every activity of both
     runs with this process's registry of running calls and heartbeat
-    interval (:class:`stopline.activities.running.HostActivities`).
+    interval (:class:`stopline.worker.interceptors.HostActivities`).
 
     Args:
         client: Connected client.
@@ -197,10 +197,11 @@ def build_host_workers(
     """
     from stopline.activities.host import HostSessions, worker_identity
     from stopline.activities.ledger import ledger_flush
-    from stopline.activities.running import PROCESS_CALLS, HostActivities, HostConfig, cancel_calls
+    from stopline.activities.running import PROCESS_CALLS, HostConfig, cancel_calls
     from stopline.activities.sampling import sample
     from stopline.activities.tools import tool_activity
     from stopline.core.contracts import pool_task_queue
+    from stopline.worker.interceptors import HostActivities
     from stopline.worker.plugin import StoplinePlugin
 
     on_client = _client_plugin(client)
