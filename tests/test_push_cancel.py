@@ -117,6 +117,15 @@ def _closed(events: list[Any], scheduled: Any) -> Any | None:
     return None
 
 
+def _pushed(client: Client, events: list[Any]) -> CancelCallsResult:
+    """What the one ``stopline.cancel_calls`` of the history found (it completed)."""
+    [push] = _scheduled(events, CANCEL_CALLS_ACTIVITY)
+    closed = _closed(events, push)
+    assert closed is not None and closed.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+    payload = closed.activity_task_completed_event_attributes.result.payloads[0]
+    return client.data_converter.payload_converter.from_payload(payload, CancelCallsResult)
+
+
 def _index(events: list[Any], event: Any) -> int:
     return next(i for i, e in enumerate(events) if e.event_id == event.event_id)
 
@@ -165,11 +174,7 @@ async def test_the_abort_runs_in_the_seed_order_and_the_cancel_is_pushed(
         cancel_requested.activity_task_cancel_requested_event_attributes.workflow_task_completed_event_id
     )
     assert _index(events, accepted) < _index(events, push)
-    push_closed = _closed(events, push)
-    assert push_closed is not None and push_closed.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
-    payload = push_closed.activity_task_completed_event_attributes.result.payloads[0]
-    pushed = client.data_converter.payload_converter.from_payload(payload, CancelCallsResult)
-    assert pushed.cancelled == ["call:c1"]
+    assert _pushed(client, events).cancelled == ["call:c1"]
     # 2. grace: the tool answered before the hard abort; the timer never fired
     tool_closed = _closed(events, tool)
     assert tool_closed is not None and tool_closed.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
@@ -242,12 +247,37 @@ async def test_a_dropped_sampling_call_counts_and_the_task_goes_on(
     kinds = [r.kind for r in _rows(stopline_home, handle.id)]
     assert kinds[:3] == ["prompt", "turn_aborted", "user_message"]
     events = list((await handle.fetch_history()).events)
+    assert _pushed(client, events).cancelled == ["sample:1"]
     [push] = _scheduled(events, CANCEL_CALLS_ACTIVITY)
     [sampled, *_] = _scheduled(events, "stopline.sample")
     # pushed to the queue of the host that ran the call
     assert push.activity_task_scheduled_event_attributes.task_queue.name == (
         sampled.activity_task_scheduled_event_attributes.task_queue.name
     )
+
+
+@pytest.mark.usefixtures("worker")
+async def test_task_stop_reaches_the_running_call_by_push(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    """``task_stop`` (workflow cancel) aborts the turn in flight the same
+    way: the cancel is pushed to the call's host, the group is gone, the
+    call gets its receipt and the task stops."""
+    server = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
+    ))
+    handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S)
+    pgid = int(await _wait_for(lambda: _read(workspace / "pid"), what="the tool's pid"))
+    await asyncio.sleep(0.2)
+    await handle.cancel()
+    result: AgentTaskResult = await handle.result()
+    assert result.status == "stopped" and "task_stop" in result.reason
+    assert _group_alive(pgid) == []
+    receipt = next(r for r in _rows(stopline_home, handle.id) if r.kind == "tool_result" and r.call_id == "c1")
+    assert receipt.meta.get("aborted") and "Output so far" in (receipt.text or "")
+    events = list((await handle.fetch_history()).events)
+    assert _pushed(client, events).cancelled == ["call:c1"]
 
 
 # ------------------------------------------------------------------ fallback
