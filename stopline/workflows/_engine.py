@@ -567,13 +567,18 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
 
         Schedules ``stopline.cancel_calls`` on :meth:`_host_queue`, where the
         worker running the calls polls; it cancels them in process at once.
+        Only the host's own calls are pushed: sub-task tools run in the
+        workflow, and a team's own activity tools on the team's queue, where
+        Temporal's cancel reaches them (on their next heartbeat).
         Not awaited: the abort goes on whether it runs or not — if it cannot
         (no worker polls the queue, the worker is gone), Temporal's cancel
         and the grace timer still end the turn. One attempt, bounded by
         :data:`PUSH_CANCEL_TIMEOUT`: a late push is useless.
         """
+        own = {t.name for t in self._inp.tools}  # the team's tools run on the team's queue
         call_ids = [
-            r.call.id for r in running if r.call.name not in TASK_TOOL_NAMES and not r.handle.done()
+            r.call.id for r in running
+            if r.call.name not in TASK_TOOL_NAMES and r.call.name not in own and not r.handle.done()
         ]
         round_ = self._n.rounds if sampling is not None and not sampling.done() else None
         if not call_ids and round_ is None:
