@@ -7,9 +7,11 @@ activity sleeping), all running at once; over a ``--window`` of seconds
 (default 30) after every call is running, the increase of the worker's
 ``temporal_request{operation="RecordActivityTaskHeartbeat"}`` counter — the
 heartbeat RPCs its Temporal runtime sent, read from its Prometheus endpoint —
-divided by the window and the calls. From that rate: Temporal Cloud Actions
-per hour of one running call (every heartbeat that reaches the server is an
-Action) and dollars per hour at ``--price`` per million Actions (default $50).
+divided by the window and the tasks, and by the activities each task runs
+meanwhile (a stopline task: its call and its host session, DESIGN §7). From
+that rate: Temporal Cloud Actions per hour of one task in a running call
+(every heartbeat that reaches the server is an Action) and dollars per hour
+at ``--price`` per million Actions (default $50).
 
 Side by side, in one run, each worker in its own process on the same dev
 server, all counting over the same window:
@@ -82,11 +84,15 @@ class Mode:
     settings: dict[str, Any]
     cancel_reaches: str
     heartbeat: str = "none"  # naive loop only
+    #: Activities running per task while its call runs: a stopline task also
+    #: holds its host through a host session, which heartbeats too (§7).
+    activities: int = 1
 
 
 MODES = [
-    Mode("stopline (default: 5 s)", "stopline", {}, "at once (pushed); fallback ≤ 5 s"),
-    Mode("stopline 20 ms mode", "stopline", {"heartbeat_throttle_s": 0.02}, "≤ 20 ms (heartbeat)"),
+    Mode("stopline (default: 5 s)", "stopline", {}, "at once (pushed); fallback ≤ 5 s", activities=2),
+    Mode("stopline 20 ms mode", "stopline", {"heartbeat_throttle_s": 0.02}, "≤ 20 ms (heartbeat)",
+         activities=2),
     Mode("naive loop, SDK sample pattern", "naive", {}, "≤ 1.6 s (heartbeat)", heartbeat="sample"),
     Mode("framework default (no heartbeats)", "naive", {}, "never while it runs"),
 ]
@@ -108,7 +114,8 @@ async def start_mode(client: Client, home: Path, mode: Mode, args: argparse.Name
     bind = f"127.0.0.1:{free_port()}"
     log = home / "logs" / f"{queue}.log"
     if mode.kind == "stopline":
-        worker = stopline_worker(address, home, queue, log, metrics_bind=bind, **mode.settings)
+        # one worker per STOPLINE_HOME (a host's home is its own)
+        worker = stopline_worker(address, home / queue, queue, log, metrics_bind=bind, **mode.settings)
     else:
         worker = WorkerProcess(
             [sys.executable, str(REPO / "bench" / "_naive.py"), address, queue, "--metrics", bind], {}, log
@@ -166,30 +173,36 @@ async def main(args: argparse.Namespace) -> None:
                     r.worker.stop()
                     for s in r.servers:
                         s.stop()
-                kill_recorded_groups(home)
+                    kill_recorded_groups(home / r.queue)
     report(args, rates)
 
 
 def report(args: argparse.Namespace, rates: dict[str, float]) -> None:
     table = Table(
-        title=f"Heartbeat RPCs per running activity, from each worker's temporal_request"
-        f"{{operation=\"{HEARTBEAT_OP}\"}} over {args.window:g} s, {args.calls} calls per worker",
+        title=f"Heartbeat RPCs, from each worker's temporal_request{{operation=\"{HEARTBEAT_OP}\"}} "
+        f"over {args.window:g} s, {args.calls} tasks per worker each in one long tool call",
     )
-    for col in ("worker", "heartbeat RPC/s per call", "Cloud Actions/hour per call",
-                f"$/hour per call at ${args.price:g}/M", "a cancel reaches a running call"):
+    for col in ("worker", "running activities per task", "heartbeat RPC/s per task",
+                "RPC/s per running activity", "Cloud Actions/hour per task",
+                f"$/hour per task at ${args.price:g}/M", "a cancel reaches a running call"):
         table.add_column(col, justify="left" if col in ("worker", "a cancel reaches a running call") else "right")
     for mode in MODES:
         rate = rates[mode.name]
         per_hour = rate * 3600
-        table.add_row(mode.name, f"{rate:.3f}", f"{per_hour:,.0f}", f"${per_hour * args.price / 1e6:.4f}",
-                      mode.cancel_reaches)
+        table.add_row(mode.name, str(mode.activities), f"{rate:.3f}", f"{rate / mode.activities:.3f}",
+                      f"{per_hour:,.0f}", f"${per_hour * args.price / 1e6:.4f}", mode.cancel_reaches)
     console.print(table)
-    ours = rates[MODES[0].name]
+    console.print(
+        "a stopline task runs two activities while its call runs: the call (one heartbeat per "
+        "STOPLINE_HEARTBEAT_THROTTLE_S, 5 s) and its host session (one per host_lost_after_s / 3, "
+        "10 s; DESIGN §7)"
+    )
+    ours = rates[MODES[0].name] / MODES[0].activities
     verdict = "[green]met[/]" if ours <= 0.2 else "[red]MISSED[/]"
     console.print(f"goal: ≤ 0.2 heartbeat RPC/s per running activity at the defaults → {ours:.3f} {verdict}")
     old = rates[MODES[1].name]
-    if ours > 0:
-        console.print(f"stopline default vs 20 ms mode: {old / ours:,.0f}× fewer heartbeat RPCs")
+    if rates[MODES[0].name] > 0:
+        console.print(f"stopline default vs 20 ms mode: {old / rates[MODES[0].name]:,.0f}× fewer heartbeat RPCs per task")
     console.print(f"after: {load_average()}")
 
 
