@@ -38,6 +38,8 @@ Two worker modes side by side, each a worker subprocess
   next heartbeat, and every busy task's heartbeats load the server
   (``--baseline-tries`` tries per case, default 10).
 
+``--sandbox off`` runs tool commands unconfined (``STOPLINE_SANDBOX=off``)
+instead of in bubblewrap, to tell the sandbox's share of an abort apart.
 A try whose Update has not returned after ``--cap`` seconds counts as ``>cap``.
 Goal (seed 002): p95 ≤ grace + 150 ms (grace ``--grace``, default 0.1 s) in
 every case, busy tasks included. The load average is printed before and
@@ -237,7 +239,8 @@ async def measure_mode(client: Client, home: Path, mode: Mode, args: argparse.Na
                        results: dict[tuple[str, int, str], list[Try]]) -> None:
     address = client.service_client.config.target_host
     queue = fresh_queue("interrupt")
-    worker = stopline_worker(address, home, queue, home / "logs" / f"{queue}.log", **mode.settings)
+    worker = stopline_worker(address, home, queue, home / "logs" / f"{queue}.log",
+                             sandbox=args.sandbox, **mode.settings)
     try:
         await worker.ready()
         for busy in args.busy:
@@ -267,7 +270,8 @@ def report(args: argparse.Namespace, modes: list[Mode], results: dict[tuple[str,
     ours = modes[0]
     table = Table(
         title=f"Interrupt latency: Update sent → returned with the process group gone and the marker "
-        f"fsynced (grace {args.grace * 1000:.0f} ms; goal p95 ≤ {goal_s * 1000:.0f} ms)",
+        f"fsynced (grace {args.grace * 1000:.0f} ms; goal p95 ≤ {goal_s * 1000:.0f} ms; "
+        f"STOPLINE_SANDBOX={args.sandbox})",
     )
     for col in ("case", "busy tasks", "worker", "tries", "median", "p95", "max", "grace timer fired¹", "goal"):
         table.add_column(col, justify="left" if col in ("case", "worker") else "right")
@@ -330,6 +334,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--busy", default="0,10,50", help="busy-task levels, comma-separated (default 0,10,50)")
     p.add_argument("--grace", type=float, default=0.1, help="interrupt grace in seconds (default 0.1)")
     p.add_argument("--cap", type=float, default=30.0, help="a try slower than this is >cap (default 30)")
+    p.add_argument("--sandbox", choices=("auto", "off"), default="auto",
+                   help="the workers' STOPLINE_SANDBOX (default auto: bubblewrap where it works)")
     p.add_argument("--settle", type=float, default=0.1,
                    help="seconds between the call running and the interrupt (default 0.1)")
     args = p.parse_args()
