@@ -10,11 +10,15 @@ are used as ``with ScriptedServer(...)`` blocks by the scripts themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
+import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +35,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
+
+import psutil
 
 from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
 from stopline.core.search_attributes import ALL as SEARCH_ATTRIBUTES
@@ -192,3 +198,144 @@ def fmt_ms(seconds: float, cap_s: float | None = None) -> str:
     if math.isinf(seconds):
         return f">{cap_s:g} s" if cap_s else ">cap"
     return f"{seconds * 1000:.1f} ms"
+
+
+# ----------------------------------------------------------- machine and processes
+
+#: The repository root (worker subprocesses run from here).
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average, as ``uptime`` prints it (2-core machine:
+    figures taken above ~1.5 are skewed by other work)."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average: {one:.2f}, {five:.2f}, {fifteen:.2f} ({os.cpu_count()} CPUs)"
+
+
+def dev_server_pid(env: WorkflowEnvironment) -> int:
+    """PID of the dev server ``env`` started: our child ``temporal`` process
+    listening on the client's port (found by port, never by name alone)."""
+    port = int(env.client.service_client.config.target_host.rsplit(":", 1)[1])
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                   for c in child.net_connections("tcp")):
+                return child.pid
+    raise RuntimeError(f"no child process of ours listens on port {port}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (children not included)."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+class WorkerProcess:
+    """A worker subprocess in its own session, stopped by its own PID only.
+
+    Args:
+        argv: Command line (e.g. ``[python, -m, stopline.worker.main]``).
+        env: Extra environment over ours (keys and codec settings removed).
+        log_path: Where its output goes.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        full = dict(os.environ)
+        # PYTHONDONTWRITEBYTECODE (set in some dev shells) would make the
+        # workflow sandbox compile the workflow modules from source for every
+        # new workflow: a pip-installed worker has their bytecode.
+        for var in ("ANTHROPIC_API_KEY", "OPENAI_API_KEY", "STOPLINE_CODEC_KEY",
+                    "STOPLINE_CODEC_PREVIOUS_KEYS", "STOPLINE_METRICS_BIND", "STOPLINE_OTEL",
+                    "PYTHONDONTWRITEBYTECODE"):
+            full.pop(var, None)
+        full.update(env, PYTHONUNBUFFERED="1")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with log_path.open("ab") as log:
+            self.popen = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=REPO, env=full, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    async def ready(self, timeout_s: float = 60.0) -> WorkerProcess:
+        """Wait until it printed ``worker_started``; raise if it died first."""
+        deadline = time.monotonic() + timeout_s
+        while "worker_started" not in self.log():
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"worker {self.pid} exited before it started:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.pid} did not start:\n{self.log()}")
+            await asyncio.sleep(0.05)
+        return self
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM by PID, SIGKILL after ``grace_s``; reap."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait(timeout=10)
+
+
+def stopline_worker(
+    address: str, home: Path, queue: str, log_path: Path, **settings: Any
+) -> WorkerProcess:
+    """``python -m stopline.worker.main`` on ``queue`` (workflows; its host
+    queues follow from it), holding up to 200 tasks at once (the benchmarks
+    put up to 51 on one host); ``settings`` become ``STOPLINE_<NAME>``
+    variables and win over these."""
+    env = {
+        "TEMPORAL_ADDRESS": address, "STOPLINE_HOME": str(home), "STOPLINE_TASK_QUEUE": queue,
+        "STOPLINE_LOG_FORMAT": "json", "STOPLINE_HOST_CAPACITY": "200",
+    }
+    env.update({f"STOPLINE_{k.upper()}": str(v) for k, v in settings.items()})
+    return WorkerProcess([sys.executable, "-m", "stopline.worker.main"], env, log_path)
+
+
+def kill_recorded_groups(home: Path) -> None:
+    """SIGKILL the process groups of foreground tool calls recorded under
+    ``home/procs`` (calls a stopped worker or a terminated task left), each
+    only if its leader is still the recorded process."""
+    import json
+
+    for record in (home / "procs").glob("*/*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, psutil.Error, ProcessLookupError):
+            data = json.loads(record.read_text())
+            pgid = int(data["pgid"])
+            if pgid > 1 and psutil.Process(pgid).create_time() <= float(data["started_at"]) + 2.0:
+                os.killpg(pgid, signal.SIGKILL)
+
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)")
+
+
+def prometheus_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric ``name`` whose labels include ``labels``,
+    from a Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m["name"] != name:
+            continue
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m["labels"] or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m["value"])
+    return total

@@ -1,44 +1,56 @@
-"""Interrupt latency: from sending the ``interrupt`` Update until it returns.
+"""Interrupt latency under load: from sending the ``interrupt`` Update until it returns.
 
 What is measured: the wall time of ``handle.execute_update("interrupt",
 result_type=InterruptResult)`` — the Update returns only after every call of
 the turn is settled (kept or aborted), the aborted calls' process groups are
-SIGKILLed and the ledger is fsynced. Median and p95 (nearest rank) over
-``--tries`` tries (default 20) for three cases:
+gone and the ledger is fsynced with the ``turn_aborted`` marker in it.
+Median and p95 (nearest rank) over ``--tries`` tries (default 20) for three
+cases:
 
 - a cooperative tool: ``shell`` running ``exec sleep 100`` (dies on SIGTERM);
 - a SIGTERM-ignoring tool: ``trap '' TERM; while true; do sleep 0.05; done``
-  (only the hard abort's SIGKILL ends it);
+  (only SIGKILL ends it: after the grace);
 - an in-flight sampling call: the scripted server holds its answer
-  (``delay_s: 30``).
+  (``delay_s: 30``);
 
-How: each try is a fresh task (fresh workspace, fresh scripted server) on a
-task queue fresh per case and worker; the tool command first writes ``$$``
-(its process group id) to ``pid`` in the workspace, and the interrupt is sent
-once that file exists (for sampling: once the server has the request), plus
-``--settle`` seconds. When the Update returns, every miss of these is counted
-as a violation: no live (non-zombie) process is left in the tool's process
-group (psutil); the ledger file's last row is ``turn_aborted``; the result
-says ``interrupted`` with the expected aborted calls. The history then tells
-whether the workflow's grace timer fired (the hard abort ran on it) or was
-cancelled (every call settled first), and how long it took to fire. The task
-is then terminated.
+each with 0, 10 and 50 other busy tasks on the same server and worker
+(``--busy``): tasks each in a long tool call (``sleep``), heartbeating as the
+worker's mode says — the state most agent tasks spend their time in.
 
-Baseline, in the same run: the same workflow and activities on a worker built
-with the SDK's default heartbeat throttles (``max_heartbeat_throttle_interval``
-60 s, ``default_heartbeat_throttle_interval`` 30 s; with the 5 s heartbeat
-timeout the SDK then sends a heartbeat at most every 4 s) instead of
-stopline's 20 ms — the heartbeat response is how Temporal delivers a cancel to
-a running activity. ``--baseline-tries`` (default 5) tries per case; a try
-whose Update has not returned after ``--cap`` seconds counts as ``>cap``.
+How: each try is a fresh task (fresh workspace, fresh scripted server); the
+tool command first writes ``$$`` (its process group id) to ``pid`` in the
+workspace, and the interrupt is sent once that file exists (for sampling:
+once the server has the request), plus ``--settle`` seconds. When the Update
+returns, every miss of these is counted as a violation: no live (non-zombie)
+process is left in the tool's process group (psutil); the ledger file's last
+row is ``turn_aborted``; the result says ``interrupted`` with the expected
+aborted calls. The history then tells whether the workflow's grace timer
+fired (the hard abort ran on it) or was cancelled (every call answered
+first). The task is then terminated.
 
-Goal (seed 002): p95 ≤ grace + 150 ms (grace ``--grace``, default 0.1 s).
+Two worker modes side by side, each a worker subprocess
+(``python -m stopline.worker.main``) on its own task queue:
 
-Everything started is stopped: tasks (terminated), workers, scripted
-servers, the dev server, the temp ``$STOPLINE_HOME``, and any tool process a
-violation left behind (SIGKILL of that recorded group).
+- stopline's defaults: the cancel is pushed to the calls' host
+  (``stopline.cancel_calls``), heartbeats every 5 s for liveness only;
+- the old mode: no push (``STOPLINE_PUSH_CANCEL=0``), heartbeats every 20 ms
+  (``STOPLINE_HEARTBEAT_THROTTLE_S=0.02``) — a cancel reaches a call on its
+  next heartbeat, and every busy task's heartbeats load the server
+  (``--baseline-tries`` tries per case, default 10).
 
-Run: ``.venv/bin/python bench/bench_interrupt.py [--tries 20] [--baseline-tries 5]``
+``--sandbox off`` runs tool commands unconfined (``STOPLINE_SANDBOX=off``)
+instead of in bubblewrap, to tell the sandbox's share of an abort apart.
+A try whose Update has not returned after ``--cap`` seconds counts as ``>cap``.
+Goal (seed 002): p95 ≤ grace + 150 ms (grace ``--grace``, default 0.1 s) in
+every case, busy tasks included. The load average is printed before and
+after (2-core machine: figures taken above ~1.5 are skewed by other work).
+
+Everything started is stopped: tasks (terminated), the busy tasks' and any
+violation's tool processes (SIGKILL of their recorded groups), workers
+(SIGTERM by PID), scripted servers, the dev server, the temp
+``$STOPLINE_HOME``.
+
+Run: ``.venv/bin/python bench/bench_interrupt.py [--tries 20] [--baseline-tries 10] [--busy 0,10,50]``
 """
 
 from __future__ import annotations
@@ -50,9 +62,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -63,28 +73,24 @@ from _common import (
     fmt_ms,
     fresh_queue,
     fresh_workspace,
+    kill_recorded_groups,
+    load_average,
     median,
     p95,
     read_nonempty,
-    running,
     start_task,
     stopline_home,
+    stopline_worker,
     wait_until,
 )
 from rich.table import Table
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
-from temporalio.worker import Worker
 
-from stopline.activities.ledger import LedgerStore, ledger_flush
-from stopline.activities.sampling import sample
-from stopline.activities.tools import tool_activity
+from stopline.activities.ledger import LedgerStore
 from stopline.core.contracts import InterruptResult
-from stopline.settings import load_settings
 from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
-from stopline.worker.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers
-from stopline.workflows.agent_task import AgentTask
 
 # Each tool is followed by the pid it prints ($$): run tools unconfined, where
 # that pid is the host's (a sandboxed call has its own PID namespace;
@@ -115,29 +121,11 @@ CASES = [
 
 @dataclass
 class Mode:
-    """A worker configuration under test."""
+    """A worker configuration under test (``STOPLINE_*`` settings)."""
 
     name: str
-    workers: Callable[[Client, str], list[Worker]]
+    settings: dict[str, Any]
     tries: int
-
-
-def stopline_workers(client: Client, queue: str) -> list[Worker]:
-    """What stopline runs: ``build_workers`` (heartbeat throttle 20 ms)."""
-    return build_workers(client, load_settings(), task_queue=queue)
-
-
-def sdk_default_workers(client: Client, queue: str) -> list[Worker]:
-    """The same workflow and activities with the SDK's default heartbeat throttles."""
-    return [
-        Worker(
-            client,
-            task_queue=queue,
-            workflows=[AgentTask],
-            activities=[sample, tool_activity, ledger_flush],
-            graceful_shutdown_timeout=timedelta(seconds=WORKER_SHUTDOWN_GRACE_S),
-        )
-    ]
 
 
 @dataclass
@@ -221,113 +209,139 @@ async def one_try(client: Client, queue: str, home: Path, case: Case, args: argp
                     os.killpg(pgid, signal.SIGKILL)  # a violation left it: we started it, we end it
 
 
-async def measure(client: Client, home: Path, mode: Mode, case: Case, args: argparse.Namespace) -> list[Try]:
+async def start_busy(client: Client, queue: str, home: Path, n: int) -> tuple[list[WorkflowHandle[Any, Any]], list[ScriptedServer]]:
+    """``n`` tasks each in a long tool call, all running when this returns."""
+    handles, servers, workspaces = [], [], []
+    for _ in range(n):
+        ws = fresh_workspace(home)
+        server = ScriptedServer(scenario(
+            "anthropic",
+            entry(anthropic_message(tool_calls=[("busy", "shell", {"command": "touch running; exec sleep 3600"})])),
+        )).start()
+        servers.append(server)
+        workspaces.append(ws)
+        handles.append(await start_task(client, queue, server, ws))
+    await wait_until(lambda: all((ws / "running").exists() for ws in workspaces), timeout_s=120,
+                     what=f"{n} busy tasks in their tool calls")
+    return handles, servers
+
+
+async def stop_busy(home: Path, handles: list[WorkflowHandle[Any, Any]], servers: list[ScriptedServer]) -> None:
+    for h in handles:
+        with contextlib.suppress(RPCError):
+            await h.terminate()
+    kill_recorded_groups(home)  # their sleeps: the calls then end on their own
+    for s in servers:
+        s.stop()
+
+
+async def measure_mode(client: Client, home: Path, mode: Mode, args: argparse.Namespace,
+                       results: dict[tuple[str, int, str], list[Try]]) -> None:
+    address = client.service_client.config.target_host
     queue = fresh_queue("interrupt")
-    async with running(mode.workers(client, queue)):
-        tries = []
-        for _ in range(mode.tries):
-            tries.append(await one_try(client, queue, home, case, args))
-    lat = [t.seconds for t in tries]
-    console.print(
-        f"[dim]{mode.name} · {case.name}: median {fmt_ms(median(lat), args.cap)}, "
-        f"p95 {fmt_ms(p95(lat), args.cap)}[/]"
-    )
-    return tries
+    worker = stopline_worker(address, home, queue, home / "logs" / f"{queue}.log",
+                             sandbox=args.sandbox, **mode.settings)
+    try:
+        await worker.ready()
+        for busy in args.busy:
+            handles, servers = await start_busy(client, queue, home, busy)
+            try:
+                await asyncio.sleep(1.0)
+                for case in CASES:
+                    tries = [await one_try(client, queue, home, case, args) for _ in range(mode.tries)]
+                    results[mode.name, busy, case.name] = tries
+                    lat = [t.seconds for t in tries]
+                    console.print(
+                        f"[dim]{mode.name} · {busy} busy · {case.name}: median "
+                        f"{fmt_ms(median(lat), args.cap)}, p95 {fmt_ms(p95(lat), args.cap)} · {load_average()}[/]"
+                    )
+            finally:
+                await stop_busy(home, handles, servers)
+    finally:
+        worker.stop()
+        kill_recorded_groups(home)
 
 
 # ---------------------------------------------------------------- reporting
 
 
-def report(args: argparse.Namespace, modes: list[Mode], results: dict[tuple[str, str], list[Try]]) -> None:
+def report(args: argparse.Namespace, modes: list[Mode], results: dict[tuple[str, int, str], list[Try]]) -> None:
     goal_s = args.grace + 0.150
     ours = modes[0]
-    lat = lambda mode, case: [t.seconds for t in results[mode.name, case.name]]  # noqa: E731
-
     table = Table(
-        title=f"Interrupt latency: Update sent → returned with every call settled "
-        f"(grace {args.grace * 1000:.0f} ms; goal p95 ≤ {goal_s * 1000:.0f} ms)",
+        title=f"Interrupt latency: Update sent → returned with the process group gone and the marker "
+        f"fsynced (grace {args.grace * 1000:.0f} ms; goal p95 ≤ {goal_s * 1000:.0f} ms; "
+        f"STOPLINE_SANDBOX={args.sandbox})",
     )
-    for col in ("case", "worker", "tries", "median", "p95", "max", "grace timer fired¹", "goal"):
+    for col in ("case", "busy tasks", "worker", "tries", "median", "p95", "max", "grace timer fired¹", "goal"):
         table.add_column(col, justify="left" if col in ("case", "worker") else "right")
     for case in CASES:
-        for mode in modes:
-            tries = results[mode.name, case.name]
-            fired = [t.timer_s for t in tries if t.timer_s is not None]
-            timer = f"{len(fired)}/{len(tries)}" + (f", after {fmt_ms(median(fired))}" if fired else "")
-            goal = ("[green]met[/]" if p95(lat(mode, case)) <= goal_s else "[red]missed[/]")
-            table.add_row(
-                case.name if mode is ours else "", mode.name, str(len(tries)),
-                *(fmt_ms(f(lat(mode, case)), args.cap) for f in (median, p95, max)), timer, goal,
-                end_section=mode is modes[-1],
-            )
+        for busy in args.busy:
+            for mode in modes:
+                tries = results[mode.name, busy, case.name]
+                lat = [t.seconds for t in tries]
+                fired = [t.timer_s for t in tries if t.timer_s is not None]
+                timer = f"{len(fired)}/{len(tries)}" + (f", after {fmt_ms(median(fired))}" if fired else "")
+                goal = "[green]met[/]" if p95(lat) <= goal_s else "[red]missed[/]"
+                table.add_row(
+                    case.name if (mode is ours and busy == args.busy[0]) else "",
+                    str(busy) if mode is ours else "", mode.name, str(len(tries)),
+                    *(fmt_ms(f(lat), args.cap) for f in (median, p95, max)), timer, goal,
+                    end_section=mode is modes[-1] and busy == args.busy[-1],
+                )
     console.print(table)
     console.print(
-        f"workers: {ours.name} = stopline.worker.runtime.build_workers (heartbeat throttle 20 ms), {ours.tries} tries "
-        f"per case; {modes[1].name} = same workflow and activities, SDK default heartbeat throttles "
-        f"(60 s max / 30 s default → one heartbeat per 4 s with the 5 s heartbeat timeout), "
-        f"{modes[1].tries} tries per case."
-    )
-    console.print(
         f"¹ tries whose hard abort ran on the workflow's {args.grace * 1000:.0f} ms grace timer (some call "
-        "had not settled), with the timer's median start→fired time from the history; otherwise every "
-        "call settled first and the timer was cancelled."
+        "had not answered), with the timer's median start→fired time from the history; otherwise every "
+        "call answered first and the timer was cancelled."
     )
-
-    checks = Table(title="Checks at the moment the Update returned: violations / tries")
-    checks.add_column("case")
-    for mode in modes:
-        checks.add_column(mode.name, justify="right")
-    details: list[str] = []
-    for case in CASES:
-        row = [case.name]
-        for mode in modes:
-            tries = results[mode.name, case.name]
-            bad = [t for t in tries if t.problems]
-            row.append(f"{len(bad)} / {len(tries)}")
-            details += [f"{mode.name} · {case.name}: {p}" for t in bad for p in t.problems]
-        checks.add_row(*row)
-    console.print(checks)
-    console.print(
-        "checked per try: no live process left in the tool's process group (psutil); the ledger "
-        "file's last row is turn_aborted; interrupted=True with the expected aborted_calls"
-    )
+    details = [
+        f"{m}, {b} busy, {c}: {p}"
+        for (m, b, c), tries in results.items() for t in tries for p in t.problems
+    ]
     for line in details:
         console.print(f"[red]violation[/] {line}")
-    console.print(f"violations: {len(details)}")
-    for case in CASES:
-        p = p95(lat(ours, case))
-        verdict = "[green]met[/]" if p <= goal_s else "[red]MISSED[/]"
-        console.print(
-            f"goal p95 ≤ grace + 150 ms = {goal_s * 1000:.0f} ms · {case.name}: "
-            f"p95 {fmt_ms(p, args.cap)} → {verdict}"
-        )
+    console.print(
+        f"violations: {len(details)} (checked per try: no live process left in the tool's process group; "
+        "the ledger file's last row is turn_aborted; interrupted=True with the expected aborted_calls)"
+    )
+    worst = max(p95([t.seconds for t in results[ours.name, b, c.name]]) for b in args.busy for c in CASES)
+    verdict = "[green]met[/]" if worst <= goal_s else "[red]MISSED[/]"
+    console.print(f"goal p95 ≤ {goal_s * 1000:.0f} ms in every case ({ours.name}): worst p95 "
+                  f"{fmt_ms(worst, args.cap)} → {verdict}")
+    console.print(f"after: {load_average()}")
 
 
 async def main(args: argparse.Namespace) -> None:
+    console.print(f"[dim]before: {load_average()}[/]")
     modes = [
-        Mode("stopline worker (20 ms)", stopline_workers, args.tries),
-        Mode("SDK default throttles", sdk_default_workers, args.baseline_tries),
+        Mode("stopline (push, 5 s heartbeats)", {}, args.tries),
+        Mode("old: 20 ms heartbeats, no push", {"heartbeat_throttle_s": 0.02, "push_cancel": 0},
+             args.baseline_tries),
     ]
-    results: dict[tuple[str, str], list[Try]] = {}
+    results: dict[tuple[str, int, str], list[Try]] = {}
     with stopline_home() as home:
         async with dev_server() as env:
-            for case in CASES:
-                for mode in modes:
-                    results[mode.name, case.name] = await measure(env.client, home, mode, case, args)
+            for mode in modes:
+                await measure_mode(env.client, home, mode, args, results)
     report(args, modes, results)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tries", type=int, default=20, help="tries per case, stopline worker (default 20)")
-    p.add_argument("--baseline-tries", type=int, default=5, help="tries per case, SDK defaults (default 5)")
+    p.add_argument("--tries", type=int, default=20, help="tries per case, stopline defaults (default 20)")
+    p.add_argument("--baseline-tries", type=int, default=10, help="tries per case, old mode (default 10)")
+    p.add_argument("--busy", default="0,10,50", help="busy-task levels, comma-separated (default 0,10,50)")
     p.add_argument("--grace", type=float, default=0.1, help="interrupt grace in seconds (default 0.1)")
     p.add_argument("--cap", type=float, default=30.0, help="a try slower than this is >cap (default 30)")
+    p.add_argument("--sandbox", choices=("auto", "off"), default="auto",
+                   help="the workers' STOPLINE_SANDBOX (default auto: bubblewrap where it works)")
     p.add_argument("--settle", type=float, default=0.1,
                    help="seconds between the call running and the interrupt (default 0.1)")
     args = p.parse_args()
-    if args.tries < 1 or args.baseline_tries < 1 or args.grace < 0 or args.cap <= 0:
-        p.error("tries must be ≥ 1, grace ≥ 0, cap > 0")
+    args.busy = [int(x) for x in args.busy.split(",") if x.strip()]
+    if args.tries < 1 or args.baseline_tries < 1 or args.grace < 0 or args.cap <= 0 or not args.busy:
+        p.error("tries must be ≥ 1, grace ≥ 0, cap > 0, at least one busy level")
     return args
 
 

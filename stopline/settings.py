@@ -8,6 +8,7 @@ and never serialized into a workflow input.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -45,11 +46,23 @@ class Settings(BaseSettings):
         dev_server_ui_port: Port of its web UI.
         interrupt_grace_s: Seconds between an interrupt's cancel request and
             the hard abort (seed 002: 100 ms).
-        heartbeat_timeout_s: Activity heartbeat timeout in seconds; a worker
-            that dies is noticed after this long.
-        heartbeat_throttle_s: The worker's ``max_heartbeat_throttle_interval``
-            in seconds (Temporal throttles heartbeats to this; a cancel is
-            delivered on a heartbeat response).
+        heartbeat_timeout_s: Activity heartbeat timeout in seconds (the
+            tasks the CLI starts): a worker that dies is noticed after this
+            long (default 30 s; the placement bound is 60 s). Costs nothing
+            by itself; activities heartbeat at least every third of it.
+        heartbeat_throttle_s: Seconds between one running activity's
+            heartbeats: the interval of the activities' heartbeat loop and
+            the worker's ``max_heartbeat_throttle_interval``. Heartbeats
+            only prove liveness (cancels are pushed, DESIGN §3); each one
+            that reaches the server is a Temporal Cloud Action. Default 5 s:
+            0.2 RPC/s, 720 Actions/hour, $0.036/hour per running call at
+            $50 per million Actions. ``0.02`` is the old heartbeat-borne
+            cancel mode: 50 RPC/s, 180,000 Actions/hour, $9/hour per call.
+        push_cancel: Register this worker's ``stopline.cancel_calls``
+            activity, through which interrupts reach running calls at once
+            (``$STOPLINE_PUSH_CANCEL``, default on). Off: a cancel reaches a
+            call only on its next heartbeat, and an interrupt's hard abort
+            runs on the grace timer.
         tool_output_cap_bytes: Inline cap on tool output the model sees.
         sampling_timeout_s: start-to-close timeout of one sampling call.
         worker_shutdown_grace_s: Seconds in-flight activities get to finish
@@ -120,8 +133,9 @@ class Settings(BaseSettings):
     dev_server_port: int = 7233
     dev_server_ui_port: int = 8233
     interrupt_grace_s: float = 0.1
-    heartbeat_timeout_s: float = 5.0
-    heartbeat_throttle_s: float = 0.02
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    heartbeat_throttle_s: float = Field(default=5.0, gt=0)
+    push_cancel: bool = True
     tool_output_cap_bytes: int = 16_384
     sampling_timeout_s: float = 600.0
     worker_shutdown_grace_s: float = 10.0
@@ -175,8 +189,19 @@ class Settings(BaseSettings):
         return [Path(p).expanduser() for p in self.sandbox_ro_paths.split(":") if p.strip()]
 
 
+#: The last settings built from the environment alone, keyed by that
+#: environment: activities ask for settings on every call, and building them
+#: (pydantic-settings reads and validates every variable) cost ~1 ms of CPU
+#: each time — a tenth of a worker's CPU per round (bench/bench_throughput.py).
+_from_env: tuple[frozenset[tuple[str, str]], Settings] | None = None
+
+
 def load_settings(**overrides: object) -> Settings:
     """Build :class:`Settings` from the environment, then apply ``overrides``.
+
+    Without overrides the result is reused while the environment is
+    unchanged (a changed variable — a test's ``STOPLINE_HOME`` — builds
+    anew); treat it as read-only.
 
     Args:
         **overrides: Field values that win over the environment (CLI flags);
@@ -185,5 +210,11 @@ def load_settings(**overrides: object) -> Settings:
     Returns:
         The settings.
     """
+    global _from_env
     clean = {k: v for k, v in overrides.items() if v is not None}
-    return Settings(**clean)  # type: ignore[arg-type]
+    if clean:
+        return Settings(**clean)  # type: ignore[arg-type]
+    env = frozenset(os.environ.items())
+    if _from_env is None or _from_env[0] != env:
+        _from_env = (env, Settings())
+    return _from_env[1]

@@ -82,6 +82,12 @@ class WorkerProc:
             STOPLINE_HOME=str(self.home),
             STOPLINE_TASK_QUEUE=self.task_queue,
             PYTHONUNBUFFERED="1",
+            # These tests give tasks 1-2 s heartbeat timeouts so a killed
+            # worker is noticed fast. The SDK spaces heartbeats at 0.8 × the
+            # timeout at most — 1.6 s for 2 s, too thin on a loaded machine —
+            # unless the worker's throttle is lower: an explicit limit here,
+            # not the 5 s default meant for 30 s timeouts.
+            STOPLINE_HEARTBEAT_THROTTLE_S="0.25",
         )
         env.update(self.extra_env)
         argv = [sys.executable, "-m", "stopline.worker.main"]

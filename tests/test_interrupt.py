@@ -322,13 +322,14 @@ async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace
     client: Client, scripted: Any, workspace: Path, stopline_home: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The irreversible step: a worker whose heartbeats are throttled (the
-    cancel does not reach the tool in time) still gets the turn aborted —
+    """The irreversible step: a worker the cancel cannot reach in time (no
+    push path, heartbeats throttled to 30 s) still gets the turn aborted —
     the workflow stops waiting at the grace timer, the flush kills the group."""
     from stopline.worker.runtime import build_workers
     from stopline.settings import load_settings
 
     monkeypatch.setenv("STOPLINE_HEARTBEAT_THROTTLE_S", "30")
+    monkeypatch.setenv("STOPLINE_PUSH_CANCEL", "0")
     queue = f"slow-{uuid.uuid4().hex[:8]}"
     workers = build_workers(client, load_settings(), task_queue=queue)
     runs = [asyncio.create_task(w.run()) for w in workers]

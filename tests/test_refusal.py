@@ -399,6 +399,9 @@ async def test_persisted_refusal_is_recovered_as_cancelled_after_worker_kill(
         "STOPLINE_HOME": str(stopline_home),
         "STOPLINE_TASK_QUEUE": task_queue,
         "STOPLINE_HOST_TASK_QUEUE": task_queue,
+        # a 1 s heartbeat timeout needs heartbeats well inside it (the SDK's
+        # own spacing, 0.8 s, is too thin on a loaded machine)
+        "STOPLINE_HEARTBEAT_THROTTLE_S": "0.25",
     }
 
     def spawn() -> subprocess.Popen[bytes]:

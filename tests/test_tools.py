@@ -23,6 +23,7 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 import stopline.activities.tools as tools
+from stopline.activities.running import HostConfig, configured
 from stopline.activities.tools import (
     TOOL_SPECS,
     OutsideWorkspace,
@@ -427,7 +428,8 @@ async def _cancel_after_start(
     env = ActivityEnvironment()
     if beats is not None:
         env.on_heartbeat = lambda *d: beats.append(d[0] if d else None)
-    task = asyncio.create_task(env.run(tool_activity, call(ws, "shell", args, kill_grace_s=grace)))
+    with configured(HostConfig(heartbeat_interval_s=0.02)):  # beats as a probe, not the default 5 s
+        task = asyncio.create_task(env.run(tool_activity, call(ws, "shell", args, kill_grace_s=grace)))
     try:
         pgid = await read_pid(pidfile)
         await asyncio.sleep(0.05)
@@ -518,7 +520,8 @@ async def test_cancel_after_terminal_keeps_real_result(ws: Path, home: Path, rea
     env = ActivityEnvironment()
     env.on_heartbeat = lambda *d: beats.append(d[0] if d else None)
     inp = call(ws, "shell", {"command": "setsid bash -c 'echo $$ > gc.pid; exec sleep 30' & sleep 0.2; echo done; exit 4"})
-    task = asyncio.create_task(env.run(tool_activity, inp))
+    with configured(HostConfig(heartbeat_interval_s=0.02)):  # beats as a probe, not the default 5 s
+        task = asyncio.create_task(env.run(tool_activity, inp))
     try:
         await wait_for(lambda: {"terminal": True} in beats)
         env.cancel()

@@ -351,17 +351,19 @@ async def append_rows(store: LedgerStore, task_id: str, rows: list[LedgerRow]) -
         ApplicationError: ``LedgerCorrupt`` (non-retryable) when even the
             history cannot make the file whole.
     """
+    # The appends fsync: in a thread, so the worker's other calls never
+    # wait on this disk (3-10 ms per fsync, bench/bench_throughput.py).
     try:
         try:
-            return store.append(task_id, rows)
+            return await asyncio.to_thread(store.append, task_id, rows)
         except (LedgerGap, StagedMissing) as why:
             from stopline.activities.history import rows_from_history
 
             info = activity.info()
             full = await rows_from_history(activity.client(), info.workflow_id, info.workflow_run_id)
             log.warning("ledger_rebuilt", task_id=task_id, reason=str(why), rows=len(full))
-            store.append(task_id, full)
-            return store.append(task_id, rows)
+            await asyncio.to_thread(store.append, task_id, full)
+            return await asyncio.to_thread(store.append, task_id, rows)
     except LedgerCorrupt as err:
         raise ApplicationError(str(err), type="LedgerCorrupt", non_retryable=True) from None
 

@@ -17,20 +17,29 @@ returned or logged: they never enter workflow history (DESIGN §5).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ssl
+import weakref
 from datetime import timedelta
 
 import httpx
 import structlog
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from stopline.activities._heartbeat import heartbeating
 from stopline.activities.ledger import append_rows, default_store
+from stopline.activities.running import current, sampling_key
 from stopline.activities.providers.base import ProviderError
 from stopline.activities.providers.registry import get_adapter, parse_model_ref
-from stopline.core.contracts import SAMPLE_ACTIVITY, Refusal, SampleInput, SamplingResult
+from stopline.core.contracts import (
+    SAMPLE_ACTIVITY,
+    SAMPLING_DROPPED_ERROR,
+    Refusal,
+    SampleInput,
+    SamplingResult,
+)
 from stopline.core.policies import ConversationInvalid, rows_to_messages, validate_conversation
 from stopline.settings import Settings, load_settings
 
@@ -54,6 +63,39 @@ def _tls_context() -> ssl.SSLContext:
     about a third of a round's wall time (bench/bench_rounds.py).
     """
     return httpx.create_ssl_context()
+
+
+#: HTTP clients by event loop, then by sampling timeout (seconds).
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, httpx.AsyncClient]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _http_client(timeout_s: float) -> httpx.AsyncClient:
+    """The worker's HTTP client (one connection pool per event loop).
+
+    A client per call opened a new connection every round — for a real
+    provider a TCP and TLS handshake per model call — and built a pool each
+    time. One pool keeps connections alive between rounds. No retries in the
+    transport: Temporal owns retries (STYLE rule 3). No connection limit: a
+    worker's concurrent model calls are bounded by its activity slots.
+
+    Args:
+        timeout_s: Read/write/pool timeout of a call (``sampling_timeout_s``);
+            connecting gets 10 s.
+    """
+    per_loop = _clients.setdefault(asyncio.get_running_loop(), {})
+    client = per_loop.get(timeout_s)
+    if client is None or client.is_closed:
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            transport=httpx.AsyncHTTPTransport(
+                retries=0, verify=_tls_context(),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+            ),
+        )
+        per_loop[timeout_s] = client
+    return client
 
 
 def _tools_for(inp: SampleInput) -> list:
@@ -161,6 +203,8 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     settings = load_settings()
     info = activity.info()
     store = default_store()
+    # append_rows fsyncs off the event loop: a blocking fsync (~3-10 ms on a
+    # disk) would stall every other call of this worker.
     await append_rows(store, inp.task_id, inp.pending_rows)
     all_rows = store.read(inp.task_id)
     persisted = _persisted_refusal(inp, all_rows) or await _chain_refusal(inp)
@@ -187,12 +231,10 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             type=PROVIDER_ERROR_TYPE, non_retryable=True,
         ) from e
     base_url, api_key = _base_url_and_key(provider, inp, settings)
-    timeout = httpx.Timeout(settings.sampling_timeout_s, connect=10.0)
-    # No retries in the transport: Temporal owns retries (STYLE rule 3).
-    transport = httpx.AsyncHTTPTransport(retries=0, verify=_tls_context())
+    client = _http_client(settings.sampling_timeout_s)
     try:
-        async with heartbeating(), httpx.AsyncClient(timeout=timeout, transport=transport) as client:
-            result = await adapter.sample(
+        async with heartbeating():
+            call = adapter.sample(
                 client,
                 base_url=base_url,
                 api_key=api_key,
@@ -204,6 +246,23 @@ async def _sample(inp: SampleInput) -> SamplingResult:
                 stream=inp.stream,
                 on_progress=lambda: None,
             )
+            calls = current().calls
+            if calls is None:
+                result = await call
+            else:
+                # A registered unit: a pushed cancel drops the request here
+                # at once (DESIGN §3); httpx closes the connection.
+                result = await calls.run(inp.task_id, sampling_key(inp.round), call)
+    except asyncio.CancelledError:
+        if activity.is_cancelled():
+            raise  # Temporal's cancel (or a worker shutdown): the SDK reports it
+        raise ApplicationError(
+            "sampling dropped: the turn was interrupted",
+            {"attempt": info.attempt, "status": None},
+            type=SAMPLING_DROPPED_ERROR,
+            non_retryable=True,
+            category=ApplicationErrorCategory.BENIGN,  # an interrupt, not a fault: no warning
+        ) from None
     except ProviderError as e:
         log.warning(
             "provider_error", task_id=inp.task_id, provider=e.provider, status=e.status,
@@ -229,7 +288,8 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             type=RESPONSE_TOO_LARGE_TYPE,
             non_retryable=True,
         )
-    store.stage(
+    await asyncio.to_thread(
+        store.stage,
         inp.task_id,
         f"round-{inp.round}",
         {"text": result.text, "tool_calls": [c.model_dump() for c in result.tool_calls]},

@@ -38,6 +38,12 @@ HOST_SESSION_ACTIVITY = "stopline.host_session"
 LIST_HOSTS_ACTIVITY = "stopline.list_hosts"
 #: Signal a host session sends its task when it has claimed the host.
 HOST_CLAIMED_SIGNAL = "stopline_host_claimed"
+#: The control activity of the push cancel (DESIGN §3): runs on the host of a
+#: task's calls and cancels them there.
+CANCEL_CALLS_ACTIVITY = "stopline.cancel_calls"
+#: ``ApplicationError.type`` of a sampling call a pushed cancel dropped
+#: (non-retryable; the request was sent, so it counts as a provider call).
+SAMPLING_DROPPED_ERROR = "SamplingDropped"
 #: The workflow-streams topic that carries :class:`TaskEvent`.
 EVENTS_TOPIC = "events"
 
@@ -340,6 +346,43 @@ class ToolCallInput(_Model):
     env: dict[str, str] = Field(default_factory=dict)
 
 
+class CancelCallsInput(_Model):
+    """Input of ``stopline.cancel_calls``: which running calls of a task to cancel.
+
+    The push half of an interrupt or ``task_stop`` (DESIGN §3): the workflow
+    schedules it on the host queue of the task's calls, and the worker hands
+    it to its registry of running calls (``stopline.activities.running``).
+
+    Attributes:
+        task_id: The task (workflow id) whose calls to cancel.
+        call_ids: Tool call ids of the turn's unfinished tool activities.
+        sampling_round: Round of the in-flight sampling call, if any.
+        keys: Further registry keys (other host-side units of the task).
+        reason: Why, in a log line's words.
+    """
+
+    task_id: str
+    call_ids: list[str] = Field(default_factory=list)
+    sampling_round: int | None = None
+    keys: list[str] = Field(default_factory=list)
+    reason: str = "user interrupt"
+
+
+class CancelCallsResult(_Model):
+    """What ``stopline.cancel_calls`` found on the host.
+
+    Attributes:
+        cancelled: Registry keys of units that were running and are now
+            cancelled (each ends on its own: TERM, grace, KILL for a tool).
+        not_running: Keys with no running unit in this worker process (it
+            finished, never started here, or starts later — then it is
+            cancelled the moment it registers).
+    """
+
+    cancelled: list[str] = Field(default_factory=list)
+    not_running: list[str] = Field(default_factory=list)
+
+
 # ---------------------------------------------------------------------------
 # Ledger: the append-only transcript (DESIGN §3, §5).
 # ---------------------------------------------------------------------------
@@ -610,6 +653,8 @@ class TaskLimits(_Model):
         sampling_timeout_s: start-to-close timeout of one sampling attempt.
         heartbeat_timeout_s: Heartbeat timeout of sampling and tool
             activities: a worker that dies is noticed after this long.
+            Heartbeats only prove liveness (cancels are pushed, DESIGN §3);
+            activities heartbeat at most every third of it.
         continue_as_new_after_events: Continue-as-new at a round boundary
             once the run's history has this many events (or when Temporal
             suggests it), carrying the ledger by reference.
@@ -639,7 +684,7 @@ class TaskLimits(_Model):
     interrupt_grace_s: float = 0.1
     max_tokens: int = 4096
     sampling_timeout_s: float = 600.0
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = 30.0
     continue_as_new_after_events: int = 10_000
     tool_output_cap_bytes: int = 16_384
     host_lost_after_s: float = 30.0

@@ -25,6 +25,7 @@ than ``STOPLINE_RETENTION_DAYS`` (``stopline.activities.retention``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 from typing import Any
@@ -139,6 +140,10 @@ async def run_worker() -> None:
     # server: a plain connection to the address we started
     client = await connect(settings, address=embedded, runtime=runtime)
     workers = build_workers(client, settings)
+    # Everything imported and built so far lives as long as the process:
+    # keep it out of the garbage collector's full passes, which otherwise
+    # rescan it every few rounds (~1 ms of CPU per round at 50 busy tasks).
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -179,6 +179,12 @@ def build_host_workers(
       tool calls, ledger writes and pinned host sessions — the work that
       needs this host's disk and processes.
 
+    Interrupts reach running calls by push (DESIGN §3): with
+    ``settings.push_cancel`` the own-queue worker serves the
+    ``stopline.cancel_calls`` control activity, and every activity of both
+    runs with this process's registry of running calls and heartbeat
+    interval (:class:`stopline.worker.interceptors.HostActivities`).
+
     Args:
         client: Connected client.
         settings: Settings (home — the host id lives there —, capacity).
@@ -191,9 +197,11 @@ def build_host_workers(
     """
     from stopline.activities.host import HostSessions, worker_identity
     from stopline.activities.ledger import ledger_flush
+    from stopline.activities.running import PROCESS_CALLS, HostConfig, cancel_calls
     from stopline.activities.sampling import sample
     from stopline.activities.tools import tool_activity
     from stopline.core.contracts import pool_task_queue
+    from stopline.worker.interceptors import HostActivities
     from stopline.worker.plugin import StoplinePlugin
 
     on_client = _client_plugin(client)
@@ -203,16 +211,23 @@ def build_host_workers(
     plugin.remember_host_queues(pool, sessions.task_queue)
     extra: dict[str, Any] = {} if plugin is on_client else {"plugins": [plugin]}
     identity = worker_identity(sessions.identity, sessions.capacity)
+    host = HostActivities(HostConfig(
+        heartbeat_interval_s=settings.heartbeat_throttle_s,
+        calls=PROCESS_CALLS if settings.push_cancel else None,
+    ))
+    push = [cancel_calls] if settings.push_cancel else []
     return [
         Worker(
             client, task_queue=pool, identity=identity,
             activities=[sessions.session],
             max_concurrent_activities=sessions.capacity,
+            interceptors=[host],
             **extra,
         ),
         Worker(
             client, task_queue=sessions.task_queue, identity=identity,
-            activities=[sample, tool_activity, ledger_flush, sessions.session],
+            activities=[sample, tool_activity, ledger_flush, sessions.session, *push],
+            interceptors=[host],
             **extra,
         ),
     ]

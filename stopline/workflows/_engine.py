@@ -42,6 +42,9 @@ from stopline.workflows._placement import HostLost, PlacementMixin
 from stopline.workflows._refusal import RefusalMixin
 from stopline.workflows._state import (
     ABORTED,
+    PUSH_CANCEL_PATCH,
+    PUSH_CANCEL_RETRY,
+    PUSH_CANCEL_TIMEOUT,
     SAMPLING_RETRY,
     STREAM_ITEMS_CARRIED,
     TOOL_RETRY,
@@ -50,6 +53,7 @@ from stopline.workflows._state import (
     End,
     RunningCall,
     activity_failure_reason,
+    is_dropped_sampling,
     is_lost,
     settled_outcome,
 )
@@ -58,12 +62,15 @@ from stopline.workflows._subtasks import SubtaskMixin
 with workflow.unsafe.imports_passed_through():
     from stopline.core import policies, refusal
     from stopline.core.contracts import (
+        CANCEL_CALLS_ACTIVITY,
         EVENTS_TOPIC,
         FATAL_TOOL_ERROR,
         ActivityTool,
         SAMPLE_ACTIVITY,
         TOOL_ACTIVITY,
         AgentTaskResult,
+        CancelCallsInput,
+        CancelCallsResult,
         Fatal,
         InterruptResult,
         LedgerRow,
@@ -460,22 +467,28 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
     ) -> None:
         """Abort the current turn: signal, grace, irreversible step (seed 002).
 
-        1. Request cancellation of the turn's activities (a signal, not a
-           kill: activities learn it on their next heartbeat and SIGTERM
-           their process groups).
+        1. Signal — a cancel request, not a kill — by two paths at once: the
+           push (:meth:`_push_cancel`: the control activity on the calls'
+           host hands the cancel to the worker's registry of running calls,
+           which delivers it at once) and Temporal's activity cancel (the
+           fallback: it reaches a call on its next heartbeat, within one
+           heartbeat interval, if the push cannot be delivered). A call gets
+           the cancel once, whichever arrives first.
         2. Grace. Each activity owns the grace from the moment the cancel
-           reaches it (its next heartbeat, ~20 ms): a tool SIGTERMs its
-           group, waits ``kill_grace_s`` (= the grace), SIGKILLs it and
-           reports what it captured; sampling drops its request at once. A
-           call that reached its terminal state returns its real result:
-           kept. The workflow waits for those answers, bounded by a server
-           timer of the grace — Temporal fires sub-second timers after about
-           a second, so that bound only matters for an activity that never
-           answers (its worker died; the flush below kills its group).
+           reaches it: a tool SIGTERMs its group, waits ``kill_grace_s``
+           (= the grace), SIGKILLs it and reports what it captured; sampling
+           drops its request at once. A call that reached its terminal state
+           returns its real result: kept. The workflow waits for those
+           answers, bounded by a server timer of the grace — Temporal fires
+           sub-second timers after about a second, so that bound only
+           matters for an activity the cancel did not reach (push lost and
+           no heartbeat yet, or its worker died; the flush below kills its
+           group).
         3. The irreversible step: stop waiting. Every call not finished gets
            an "aborted by user" receipt, and its process group is SIGKILLed
            by the flush activity; a result arriving later is ignored. A
-           sampling call in flight is dropped whole.
+           sampling call in flight is dropped whole (it still counts as a
+           provider call once its request was sent).
         4. Append the ``turn_aborted`` marker; fsync the ledger; only then
            publish ``turn_aborted`` (a watcher may re-read the file at once).
 
@@ -487,6 +500,8 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         """
         # 1. signal
         handles = ([sampling] if sampling else []) + [r.handle for r in running]
+        if workflow.patched(PUSH_CANCEL_PATCH):
+            self._push_cancel(sampling, running)
         for h in handles:
             if not h.done():
                 h.cancel()
@@ -501,9 +516,12 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 pass
         # 3. irreversible: decide from what has arrived, ignore the rest.
         if sampling is not None and sampling.done() and not sampling.cancelled():
-            if sampling.exception() is None:
+            err = sampling.exception()
+            if err is None:
                 self._n.provider_calls += sampling.result().attempt
                 self._flushed_seq = max(self._flushed_seq, self._sampled_upto)
+            elif is_dropped_sampling(err):
+                self._count_failed_attempts(err)  # the request was sent: it counts
         now = workflow.now()
         kill: list[str] = []
         kept: list[str] = list(finished or [])
@@ -543,6 +561,46 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         self._publish("turn_aborted", text="turn aborted by user")
         self._interrupt_pending = False
         self._n.aborts_done += 1
+
+    def _push_cancel(self, sampling: Any | None, running: list[RunningCall]) -> None:
+        """Push the cancel to the host running the calls (DESIGN §3).
+
+        Schedules ``stopline.cancel_calls`` on :meth:`_host_queue`, where the
+        worker running the calls polls; it cancels them in process at once.
+        Only the host's own calls are pushed: sub-task tools run in the
+        workflow, and a team's own activity tools on the team's queue, where
+        Temporal's cancel reaches them (on their next heartbeat).
+        Not awaited: the abort goes on whether it runs or not — if it cannot
+        (no worker polls the queue, the worker is gone), Temporal's cancel
+        and the grace timer still end the turn. One attempt, bounded by
+        :data:`PUSH_CANCEL_TIMEOUT`: a late push is useless.
+        """
+        own = {t.name for t in self._inp.tools}  # the team's tools run on the team's queue
+        call_ids = [
+            r.call.id for r in running
+            if r.call.name not in TASK_TOOL_NAMES and r.call.name not in own and not r.handle.done()
+        ]
+        round_ = self._n.rounds if sampling is not None and not sampling.done() else None
+        if not call_ids and round_ is None:
+            return
+        try:
+            queue = self._host_queue()
+        except HostLost:
+            return  # no host holds the calls: Temporal's cancel and the grace decide
+        handle = workflow.start_activity(
+            CANCEL_CALLS_ACTIVITY,
+            CancelCallsInput(
+                task_id=workflow.info().workflow_id, call_ids=call_ids, sampling_round=round_
+            ),
+            result_type=CancelCallsResult,
+            task_queue=queue,
+            schedule_to_close_timeout=PUSH_CANCEL_TIMEOUT,
+            retry_policy=PUSH_CANCEL_RETRY,
+            summary=f"push cancel ({len(call_ids)} tool calls"
+            + (f", sampling round {round_})" if round_ is not None else ")"),
+        )
+        # Nobody awaits it; its failure (not delivered) is expected and fine.
+        handle.add_done_callback(lambda h: h.cancelled() or h.exception())
 
     async def _abort_inflight(self) -> None:
         """Abort whatever the turn has in flight (a ``task_stop``): the same

@@ -12,10 +12,16 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from stopline.core.contracts import ChildInfo, Fatal, RespondToModel, ToolCall
+    from stopline.core.contracts import (
+        SAMPLING_DROPPED_ERROR,
+        ChildInfo,
+        Fatal,
+        RespondToModel,
+        ToolCall,
+    )
 
 #: Sampling retries: transient provider errors (429/5xx/overloaded/network).
 SAMPLING_RETRY = RetryPolicy(
@@ -28,6 +34,14 @@ SAMPLING_RETRY = RetryPolicy(
 TOOL_RETRY = RetryPolicy(maximum_attempts=1)
 #: Ledger flushes are idempotent (rows keyed by seq), so they may retry.
 FLUSH_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=5)
+#: A pushed cancel (DESIGN §3) is tried once: by the time a retry ran, the
+#: grace and Temporal's own cancel have long decided the turn.
+PUSH_CANCEL_RETRY = RetryPolicy(maximum_attempts=1)
+#: How long a pushed cancel may wait for its host to pick it up and run it.
+PUSH_CANCEL_TIMEOUT = timedelta(seconds=30)
+#: ``workflow.patched`` id of the push cancel: histories recorded before it
+#: (an abort that issued only Temporal cancels) replay without it.
+PUSH_CANCEL_PATCH = "push-cancel"
 
 #: Events kept in the workflow stream across continue-as-new.
 STREAM_ITEMS_CARRIED = 200
@@ -101,6 +115,12 @@ def is_lost(handle: Any) -> bool:
     if not handle.done() or handle.cancelled():
         return False
     return isinstance(handle.exception(), ActivityError)
+
+
+def is_dropped_sampling(err: BaseException) -> bool:
+    """Whether a sampling activity failed because a pushed cancel dropped it."""
+    cause = getattr(err, "cause", None)
+    return isinstance(cause, ApplicationError) and cause.type == SAMPLING_DROPPED_ERROR
 
 
 def settled_outcome(handle: Any) -> RespondToModel | Fatal | None:

@@ -1,21 +1,26 @@
 """The ``stopline.tool`` activity: one tool call, heartbeating, cancellable.
 
 Why this module exists: it is the thin Temporal adapter around
-:func:`.registry.run_tool`. It heartbeats every 20 ms for the whole call
-(:func:`activities._heartbeat.heartbeating`) because a heartbeat response is
-how Temporal delivers a cancel — a tool sleeping silently must still learn of
-an interrupt within the grace (DESIGN §3) — and the heartbeat details say
-whether the call has reached its terminal state (``{"terminal": bool}``).
+:func:`.registry.run_tool`. The call runs as a unit of this worker's
+registry of running calls (:mod:`stopline.activities.running`, key
+``call:<call id>``), which is how an interrupt reaches it: the workflow
+pushes a cancel to this host and the registry delivers it at once (DESIGN
+§3). Temporal's own cancel — delivered on a heartbeat response, so within
+one heartbeat interval — reaches the same unit the same way, once; it is
+the fallback when the push cannot be delivered. Heartbeats themselves only
+prove liveness (:func:`activities._heartbeat.heartbeating`); their details
+say whether the call has reached its terminal state (``{"terminal": bool}``).
 
 How a cancel ends: the foreground shell catches ``CancelledError``, SIGTERMs
 its process group, SIGKILLs it after ``kill_grace_s`` and *returns*
 ``RespondToModel(aborted=True, terminal=False)`` with the output so far. A
-cancel that lands anywhere else (between handlers, while the heartbeat loop
-is being stopped) is caught here: a call that already has its result returns
-it (terminal; the real result is kept, DESIGN §3 step 2), otherwise an
-aborted result is returned. So this activity always *completes* with a
-``RespondToModel`` / ``Fatal``; it never reports itself cancelled. The
-workflow decides whether a late result is used (DESIGN §3 step 3).
+cancel that lands anywhere else (a handler that does not own its
+cancellation, a unit cancelled before it started) is caught here: a call
+that already has its result returns it (terminal; the real result is kept,
+DESIGN §3 step 2), otherwise an aborted result is returned. So this
+activity always *completes* with a ``RespondToModel`` / ``Fatal``; it never
+reports itself cancelled. The workflow decides whether a late result is
+used (DESIGN §3 step 3).
 
 What it must never do: re-raise a cancel (the result would be lost), retry
 a tool (a tool call is never silently re-run, DESIGN §5), or do work other
@@ -31,6 +36,7 @@ import structlog
 from temporalio import activity
 
 from stopline.activities._heartbeat import heartbeating
+from stopline.activities.running import call_key, current, finish_off_loop
 from stopline.core.contracts import TOOL_ACTIVITY, Fatal, RespondToModel, ToolCallInput
 
 from ._context import CallProgress
@@ -61,7 +67,9 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
             # the row's text enters history once: here (DESIGN §5)
             from stopline.activities.ledger import default_store  # ledger imports tools: import late
 
-            default_store().stage(inp.task_id, f"call-{inp.call.id}", {"text": outcome.text})
+            await finish_off_loop(
+                default_store().stage, inp.task_id, f"call-{inp.call.id}", {"text": outcome.text}
+            )
         match outcome:
             case RespondToModel():
                 log.info("tool_call", ok=outcome.ok, aborted=outcome.aborted, elapsed_s=outcome.elapsed_s)
@@ -76,7 +84,12 @@ async def _run(inp: ToolCallInput) -> RespondToModel | Fatal:
     outcome: RespondToModel | Fatal | None = None
     try:
         async with heartbeating(details=lambda: {"terminal": progress.terminal}):
-            outcome = await run_tool(inp, progress=progress)
+            calls = current().calls
+            work = run_tool(inp, progress=progress)
+            if calls is None:
+                outcome = await work
+            else:
+                outcome = await calls.run(inp.task_id, call_key(inp.call.id), work)
     except asyncio.CancelledError:
         uncancel_current_task()
         if outcome is None:
