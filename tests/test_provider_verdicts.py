@@ -1,4 +1,4 @@
-"""Provider verdicts end to end: a task against the scripted server on a real
+"""Provider calls end to end — verdicts, bounds, settings: a task against the scripted server on a real
 dev server, checking what a verdict does to the task — failed, refused or
 retried — how many requests reached the provider, and what the reason says.
 
@@ -103,3 +103,19 @@ async def test_start_to_close_timeouts_count_every_request_and_say_who(
     assert made >= 2 and result.provider_calls == made, (made, result)
     for part in ("openai:scripted", f"{made} attempts", f"{made} provider requests", "timed out"):
         assert part in result.reason, result.reason
+
+
+async def test_task_sampling_settings_reach_every_request(
+    client: Client, task_queue: str, scripted: Any, workspace: Path
+) -> None:
+    server = scripted(scenario(
+        "openai-chat",
+        entry(openai_chat_completion("", [("c1", "list_dir", {"path": "."})])),
+        entry(openai_chat_completion("done")),
+    ))
+    handle = await start_task(client, task_queue, server, workspace, max_tokens=77, temperature=0.0, top_p=0.9)
+    assert (await handle.result()).status == "completed"
+    bodies = [r["body"] for r in server.requests()]
+    assert len(bodies) == 2
+    for body in bodies:
+        assert (body["max_tokens"], body["temperature"], body["top_p"]) == (77, 0.0, 0.9)
