@@ -704,6 +704,17 @@ async def test_transient_codes_in_a_stream_are_retryable(serve: Serve, wire: str
     assert err.retryable is True and err.status is None and "try later" in err.message
 
 
+async def test_the_code_decides_before_the_type(serve: Serve) -> None:
+    # A generation that failed validation (the request was fine) comes with
+    # an invalid-request type; its code says a new sample may succeed.
+    error = {"type": "invalid_request_error", "code": "tool_use_failed", "message": "bad tool call"}
+    server = serve(CHAT, error_in_shape(CHAT, "stream", error))
+    assert (await call_error(server, stream=True)).retryable is True
+    error = {"type": "server_error", "code": "invalid_api_key", "message": "key revoked"}
+    server = serve(CHAT, error_in_shape(CHAT, "stream", error))
+    assert (await call_error(server, stream=True)).retryable is False
+
+
 @pytest.mark.parametrize(
     ("kind", "status", "retryable"),
     [("overloaded_error", None, True), ("api_error", None, True), ("invalid_request_error", None, False),

@@ -286,9 +286,10 @@ def classify_error(
     OpenAI API, error codes, in this order:
 
     1. a policy verdict (:func:`policy_refusal`) is a refusal *result*;
-    2. a code or type in :data:`FINAL_CODES` (or ``invalid_*``) is not
-       retryable — ``insufficient_quota`` even on a 429;
-    3. one in :data:`RETRYABLE_CODES` is retryable;
+    2. a code in :data:`FINAL_CODES` (or ``invalid_*``) is not retryable —
+       ``insufficient_quota`` even on a 429 — and one in
+       :data:`RETRYABLE_CODES` is; the code decides before the type;
+    3. likewise the type (``invalid_request_error``, ``server_error``);
     4. otherwise the HTTP status: 408/409/429/5xx retryable, other 4xx not;
     5. a stream ``error`` event or ``response.failed`` without a known code
        is retryable (the provider failed mid-answer).
@@ -312,10 +313,11 @@ def classify_error(
             provider=provider, model=model, stop_reason="refusal", raw_stop_reason=raw, refusal=refusal,
         )
     codes = [c for c in (report.code, report.kind) if c]
-    if any(is_final_code(c) for c in codes):
-        retryable = False
-    elif any(c in RETRYABLE_CODES for c in codes):
-        retryable = True
+    # The code is more specific than the type (Groq's ``tool_use_failed``
+    # comes with type ``invalid_request_error``): the first known one decides.
+    known = [c for c in codes if is_final_code(c) or c in RETRYABLE_CODES]
+    if known:
+        retryable = known[0] in RETRYABLE_CODES
     elif report.status is not None:
         retryable = is_retryable_status(report.status)
     else:
