@@ -48,9 +48,12 @@ MODEL = "openai-compat:smollm2"
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
     """The tier's main server: 8k context, stopline's tool-capable template,
-    one thread, temperature 0."""
+    one thread, temperature 0; ``/slots`` shows the last prompt it rendered."""
     log = tmp_path_factory.mktemp("llama") / "llama-server.log"
-    server = LlamaServer(log, ctx=8192, chat_template=tool_chat_template(), temperature=0.0)
+    server = LlamaServer(
+        log, ctx=8192, chat_template=tool_chat_template(), temperature=0.0,
+        env={"LLAMA_SERVER_SLOTS_DEBUG": "1"},
+    )
     server.start()
     try:
         yield server

@@ -19,11 +19,11 @@ from stopline.core.contracts import AgentTaskResult, InterruptResult
 from stopline.testing.llama_server import LlamaServer, tool_chat_template
 from tests_model.conftest import MakeStopline, Stopline, wait_generating
 
-#: Makes SmolLM2 (temperature 0) copy one exact call: it does not choose
-#: tools by itself.
+#: Makes SmolLM2 (temperature 0) copy one exact call, written the way the
+#: chat template tells it to call: it does not choose tools by itself.
 LIST_DIR_PROMPT = (
-    'Call the function list_dir with the arguments {"path": "."} now. '
-    "Reply with only the function call."
+    "Reply with exactly this text and nothing else:\n"
+    '<tool_call>\n{"name": "list_dir", "arguments": {"path": "."}}\n</tool_call>'
 )
 #: Keeps the model writing prose for a while, with no tool call.
 STORY_PROMPT = "Write a very long story about a lighthouse keeper and the sea. Do not call any function."

