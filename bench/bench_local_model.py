@@ -73,6 +73,7 @@ class Round:
     alone_server_s: float  # the server's own timing of the direct request
     alone_tokens: int
     alone_s: float
+    same_prompt: bool  # the server rendered the same prompt for both requests
 
     @property
     def added_activity_s(self) -> float:
@@ -191,6 +192,8 @@ def report(args: argparse.Namespace, rounds: list[Round], load: tuple[float, flo
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    same = sum(r.same_prompt for r in rounds)
+    console.print(f"same rendered prompt for both requests (server's /slots): {same}/{len(rounds)} rounds")
     console.print(
         f"load average (1/5/15 min) at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
         f"on {os.cpu_count()} CPUs; llama-server -t 1, max_tokens {args.max_tokens}"
@@ -203,8 +206,11 @@ def report(args: argparse.Namespace, rounds: list[Round], load: tuple[float, flo
 async def main(args: argparse.Namespace) -> int:
     try:
         template = tool_chat_template()
-        server = LlamaServer(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-llama-{uuid.uuid4().hex[:8]}.log",
-                             ctx=8192, chat_template=template, temperature=0.0)
+        server = LlamaServer(
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-llama-{uuid.uuid4().hex[:8]}.log",
+            ctx=8192, chat_template=template, temperature=0.0,
+            env={"LLAMA_SERVER_SLOTS_DEBUG": "1"},  # /slots shows the rendered prompt
+        )
     except LocalModelUnavailable as e:
         console.print(f"[yellow]bench_local_model skipped: {e}[/]")
         return 0
@@ -224,13 +230,15 @@ async def main(args: argparse.Namespace) -> int:
                         known = len(server.timings())
                         task_id, task_s, activity_s = await run_task(client, queue, home, args.max_tokens)
                         via = await new_timing(server, known)
+                        via_prompt = server.slots()[0].get("prompt")
                         alone_s = await alone(server, same_body(home, task_id, args.max_tokens))
                         direct = await new_timing(server, known + 1)
+                        same = via_prompt is not None and via_prompt == server.slots()[0].get("prompt")
                         rounds.append(Round(
                             server_s=server_seconds(via), tokens=int(via.get("eval_tokens", 0)),
                             activity_s=activity_s, task_s=task_s,
                             alone_server_s=server_seconds(direct), alone_tokens=int(direct.get("eval_tokens", 0)),
-                            alone_s=alone_s,
+                            alone_s=alone_s, same_prompt=same,
                         ))
                         r = rounds[-1]
                         console.print(
