@@ -127,7 +127,6 @@ async def run_task(client: Client, queue: str, home: Path, max_tokens: int) -> t
         "AgentTask",
         AgentTaskInput(
             prompt=PROMPT, model="openai-compat:smollm2", workspace=str(fresh_workspace(home)),
-            host_task_queue=queue,
             limits=TaskLimits(max_rounds=1, max_tokens=max_tokens, temperature=0.0),
         ),
         id=task_id, task_queue=queue, result_type=AgentTaskResult,
@@ -222,7 +221,7 @@ async def main(args: argparse.Namespace) -> int:
             async with dev_server() as env:
                 client = env.client
                 queue = fresh_queue("local-model")
-                workers = build_workers(client, load_settings(), task_queue=queue, host_task_queue=queue)
+                workers = build_workers(client, load_settings(), task_queue=queue)
                 async with running(workers):
                     console.print("[dim]warm-up task (fills the server's prompt cache; not counted)…[/]")
                     await run_task(client, queue, home, args.max_tokens)

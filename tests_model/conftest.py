@@ -108,7 +108,6 @@ class Stopline:
             TEMPORAL_ADDRESS=server_address(client),
             STOPLINE_HOME=str(home),
             STOPLINE_TASK_QUEUE=task_queue,
-            STOPLINE_HOST_TASK_QUEUE=task_queue,
             OPENAI_BASE_URL=server.base_url,
         )
 
