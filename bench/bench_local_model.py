@@ -57,7 +57,7 @@ from stopline.core.contracts import SAMPLE_ACTIVITY, AgentTaskInput, AgentTaskRe
 from stopline.core.policies import rows_to_messages
 from stopline.settings import load_settings
 from stopline.testing.llama_server import LlamaServer, LocalModelUnavailable, tool_chat_template
-from stopline.worker.runtime import build_workers
+from stopline.worker.runtime import build_workers, task_result
 
 PROMPT = "Describe the sea in two sentences. Do not call any function."
 
@@ -131,7 +131,7 @@ async def run_task(client: Client, queue: str, home: Path, max_tokens: int) -> t
         ),
         id=task_id, task_queue=queue, result_type=AgentTaskResult,
     )
-    result = await handle.result()
+    result = await task_result(handle)
     task_s = time.perf_counter() - t0
     if result.status == "failed" or result.provider_calls != 1:
         raise RuntimeError(f"task {task_id} ended {result.status}: {result.reason}")

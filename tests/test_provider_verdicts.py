@@ -17,6 +17,7 @@ from temporalio.client import Client
 
 from stopline.activities.ledger import LedgerStore
 from stopline.testing.scripted import entry, openai_chat_completion, openai_response, scenario
+from stopline.worker.runtime import task_result
 from tests.conftest import start_task
 
 pytestmark = pytest.mark.usefixtures("worker")
@@ -39,7 +40,7 @@ async def test_quota_error_event_fails_after_one_request(
                             "message": "You are out of credit.", "param": None}),
         entry(openai_response("must never be served")),
     ))
-    result = await (await start_task(client, task_queue, server, workspace)).result()
+    result = await task_result(await start_task(client, task_queue, server, workspace))
     assert result.status == "failed" and not result.refused, result
     assert server.request_count() == 1 and result.provider_calls == 1
     for part in ("openai-responses:scripted", "1 attempt", "1 provider request", "insufficient_quota",
@@ -97,7 +98,7 @@ async def test_start_to_close_timeouts_count_every_request_and_say_who(
     handle = await start_task(
         client, task_queue, server, workspace, sampling_timeout_s=1.0, sampling_total_timeout_s=3.5,
     )
-    result = await handle.result()
+    result = await task_result(handle)
     assert result.status == "failed", result
     made = server.request_count()
     assert made >= 2 and result.provider_calls == made, (made, result)

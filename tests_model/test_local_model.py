@@ -17,6 +17,7 @@ import pytest
 
 from stopline.core.contracts import AgentTaskResult, InterruptResult
 from stopline.testing.llama_server import LlamaServer, tool_chat_template
+from stopline.worker.runtime import task_result
 from tests_model.conftest import MakeStopline, Stopline, wait_generating
 
 #: Makes SmolLM2 (temperature 0) copy one exact call, written the way the
@@ -86,7 +87,7 @@ async def test_a_worker_killed_mid_generation_is_replaced_and_the_task_ends(
         (first,) = stopline.workers.started
         first.kill()  # SIGKILL: a crash, mid-generation
         await stopline.workers.start()
-        result = await asyncio.wait_for(handle.result(), timeout=240)
+        result = await asyncio.wait_for(task_result(handle), timeout=240)
     finally:
         await _terminate_if_running(handle)
     assert result.status != "failed", result
