@@ -14,6 +14,7 @@ import asyncio
 import http.server
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -1101,3 +1102,88 @@ def test_tool_call_from_raw(raw: str, arguments: dict[str, Any] | None, error: s
     call = tool_call_from_raw("c", "t", raw)
     assert call.arguments == arguments and call.raw_arguments == raw
     assert (call.parse_error is None) if error is None else (error in (call.parse_error or ""))
+
+
+class _OneSlotServer:
+    """A stdlib stand-in for a one-slot llama.cpp server that streams slowly
+    and, like llama.cpp, frees its slot a while after the client hangs up."""
+
+    def __init__(self, release_after_s: float) -> None:
+        self.busy = False
+        self.freed_at: float | None = None
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _json(self, value: Any) -> None:
+                data = json.dumps(value).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/props":
+                    self._json({"total_slots": 1, "chat_template_caps": {"supports_tools": True}})
+                else:
+                    self._json([{"id": 0, "is_processing": outer.busy}])
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                outer.busy = True
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                chunk = {"choices": [{"index": 0, "delta": {"content": "word "}}]}
+                try:
+                    for _ in range(400):
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:
+                    time.sleep(release_after_s)  # noticed the hang-up; the slot frees later
+                outer.busy = False
+                outer.freed_at = time.monotonic()
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> _OneSlotServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("provider", ["openai-compat", "openai"])
+async def test_a_cancelled_call_waits_for_a_one_slot_server_to_free_its_slot(provider: str) -> None:
+    # An interrupt cancels the sampling call: against a one-slot local server
+    # the cancel is acknowledged only once the server has dropped the
+    # generation, so the next request does not queue behind it. A hosted
+    # provider ("openai") is not asked anything after a cancel.
+    with _OneSlotServer(release_after_s=0.3) as server:
+        ticks: list[int] = []
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(retries=0)) as client:
+            call_task = asyncio.create_task(get_adapter(provider).sample(
+                client, base_url=server.url, api_key=None, model="local", system="", messages=PROMPT,
+                tools=[], max_tokens=500, stream=True, on_progress=lambda: ticks.append(1),
+            ))
+            while len(ticks) < 3:
+                await asyncio.sleep(0.01)
+            call_task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call_task
+            acknowledged = time.monotonic()
+        if provider == "openai-compat":
+            assert server.freed_at is not None and server.freed_at <= acknowledged
+            assert not server.busy
+        else:  # acknowledged at once, while the server was still generating
+            assert server.freed_at is None or server.freed_at > acknowledged

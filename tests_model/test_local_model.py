@@ -62,7 +62,13 @@ async def test_a_quoted_list_dir_call_runs_and_its_result_reaches_the_next_reque
 async def test_an_interrupt_frees_the_servers_slot_before_the_update_returns(
     stopline: Stopline, workspace: Path
 ) -> None:
-    task_id = stopline.start(STORY_PROMPT, workspace, "--max-rounds", "1", "--max-tokens", "2000")
+    # The grace (DESIGN §3: how long the interrupt waits for calls to finish
+    # cooperatively) covers llama.cpp's reaction: it notices the closed
+    # connection only at its next token, and the sampling call acknowledges
+    # the cancel once the server's one slot is idle.
+    task_id = stopline.start(
+        STORY_PROMPT, workspace, "--max-rounds", "1", "--max-tokens", "2000", "--grace", "2",
+    )
     handle = stopline.client.get_workflow_handle(task_id, result_type=AgentTaskResult)
     try:
         await wait_generating(stopline.server)

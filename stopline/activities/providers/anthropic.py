@@ -483,6 +483,9 @@ class AnthropicWire:
     async def preflight(self, client: httpx.AsyncClient, *, base_url: str, request: WireRequest) -> None:
         """Nothing to check before a Messages call."""
 
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """Nothing to wait for after a cancelled call: closing the connection is enough."""
+
 
 class AnthropicAdapter(WireAdapter):
     """The adapter for Anthropic: the shared ``sample()`` over :class:`AnthropicWire`."""

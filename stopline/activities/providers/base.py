@@ -12,12 +12,15 @@ came in — to the provider's one classifier. What differs lives in a
 
 ==================  ===================================================
 ``url``/``headers``   where and how to authenticate
+``preflight``         checks before a call (a local server's template)
 ``build_request``     the JSON body (messages, tools, sampling settings)
 ``parse_body``        a complete JSON answer → result
 ``new_stream``        an assembler fed one SSE event at a time
 ``classify_error``    the provider's verdict on a failed call, from an
                       :class:`ErrorReport` (HTTP body, stream error event
                       or Responses ``response.failed`` alike)
+``after_cancel``      what a cancelled call waits for (a local server
+                      dropping its generation)
 ==================  ===================================================
 
 Rules this module enforces for all of them:
@@ -30,10 +33,15 @@ Rules this module enforces for all of them:
   ``"refusal"`` (seed 000, DESIGN §4), which is returned, not raised.
 - A stream that sends no byte for ``idle_timeout_s`` is a retryable failure
   (httpx's read timeout is per read, so it measures exactly that).
+- A cancelled call (a user interrupt reaching the sampling activity) closes
+  its connection at once, then gives the wire a bounded ``after_cancel``
+  before the cancel propagates: a local one-slot server is then free when
+  the cancel is acknowledged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -298,6 +306,12 @@ class Wire(Protocol):
         """
         ...
 
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """After a cancelled call, once its connection is closed: wait
+        (bounded) until the server has dropped it, where that can be seen
+        (a one-slot local server). Never raises."""
+        ...
+
 
 # ---------------------------------------------------------------------------
 # Helpers the wires share. None of these retries, and none decides what a
@@ -430,6 +444,9 @@ class StreamOutcome:
 # The one sample()
 # ---------------------------------------------------------------------------
 
+#: Longest a cancelled call spends in its wire's ``after_cancel``.
+AFTER_CANCEL_BOUND_S = 2.0
+
 
 class WireAdapter:
     """A provider adapter: :meth:`sample` over one :class:`Wire`.
@@ -540,6 +557,13 @@ class WireAdapter:
                     if assembler.feed(sse.event, sse.data):
                         break
                 return assembler.finish()
+        except asyncio.CancelledError:
+            # The connection is closed by now (the `async with` has exited).
+            try:
+                await asyncio.wait_for(wire.after_cancel(client, base_url=base_url), AFTER_CANCEL_BOUND_S)
+            except (asyncio.TimeoutError, httpx.HTTPError):
+                pass
+            raise
         except httpx.TimeoutException as e:
             if idle_timeout_s is not None and isinstance(e, httpx.ReadTimeout):
                 where = "stream went idle" if status is not None else "no answer"

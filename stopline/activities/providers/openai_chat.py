@@ -22,6 +22,7 @@ What it must never do:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -585,13 +586,39 @@ def server_root(base_url: str) -> str:
     return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
+async def server_props(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | None:
+    """What a llama.cpp server says about itself at ``GET /props``, if it does.
+
+    Other compatible servers (vLLM, Ollama) have no such endpoint: ``None``.
+    The answer is cached per base URL for :data:`PROPS_TTL_S`.
+
+    Args:
+        client: The caller's client.
+        base_url: The server's OpenAI base URL.
+
+    Returns:
+        The ``/props`` object, or ``None``.
+    """
+    now = time.monotonic()
+    seen = _props_seen.get(base_url)
+    if seen is not None and now - seen[0] < PROPS_TTL_S:
+        return seen[1]
+    props: dict[str, Any] | None = None
+    try:
+        response = await client.get(f"{server_root(base_url)}/props", timeout=5.0)
+        data = response.json() if response.is_success else None
+        props = data if isinstance(data, dict) else None
+    except (httpx.HTTPError, ValueError):
+        props = None
+    _props_seen[base_url] = (now, props)
+    return props
+
+
 async def template_caps(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | None:
     """The chat template capabilities a llama.cpp server reports, if it does.
 
     llama.cpp server: ``GET /props`` answers ``chat_template_caps``
-    (``supports_tools``, ``supports_tool_calls``, ...). Other compatible
-    servers (vLLM, Ollama) have no such endpoint: ``None``. The answer is
-    cached per base URL for :data:`PROPS_TTL_S`.
+    (``supports_tools``, ``supports_tool_calls``, ...).
 
     Args:
         client: The caller's client.
@@ -600,20 +627,53 @@ async def template_caps(client: httpx.AsyncClient, base_url: str) -> dict[str, A
     Returns:
         The capabilities, or ``None`` when the server does not say.
     """
-    now = time.monotonic()
-    seen = _props_seen.get(base_url)
-    if seen is not None and now - seen[0] < PROPS_TTL_S:
-        return seen[1]
-    caps: dict[str, Any] | None = None
-    try:
-        response = await client.get(f"{server_root(base_url)}/props", timeout=5.0)
-        data = response.json() if response.is_success else None
-        value = data.get("chat_template_caps") if isinstance(data, dict) else None
-        caps = value if isinstance(value, dict) else None
-    except (httpx.HTTPError, ValueError):
-        caps = None
-    _props_seen[base_url] = (now, caps)
-    return caps
+    props = await server_props(client, base_url)
+    caps = props.get("chat_template_caps") if props else None
+    return caps if isinstance(caps, dict) else None
+
+
+#: Longest a cancelled call waits for a one-slot local server to drop it.
+CANCEL_SETTLE_S = 1.0
+
+
+async def wait_slot_released(client: httpx.AsyncClient, base_url: str, *, bound_s: float = CANCEL_SETTLE_S) -> bool:
+    """After a cancelled call: wait until a one-slot llama.cpp server has
+    dropped it, so the server is free for the next call when the cancel is
+    acknowledged.
+
+    llama.cpp notices a closed connection only when it next writes a token,
+    and keeps generating until then; with one slot (``/props``
+    ``total_slots``), the next request would queue behind it. With more slots
+    this call's slot cannot be told apart from others', so nothing is
+    awaited. ``GET /slots`` answers ``is_processing`` per slot.
+
+    Args:
+        client: The caller's client.
+        base_url: The server's OpenAI base URL.
+        bound_s: Give up after this long.
+
+    Returns:
+        ``True`` when the server's only slot is idle, ``False`` otherwise
+        (not llama.cpp, several slots, no ``/slots``, or still busy at the
+        bound).
+    """
+    props = await server_props(client, base_url)
+    if not props or props.get("total_slots") != 1:
+        return False
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            response = await client.get(f"{server_root(base_url)}/slots", timeout=bound_s)
+            slots = response.json() if response.is_success else None
+        except (httpx.HTTPError, ValueError):
+            return False
+        if not isinstance(slots, list):
+            return False
+        if not any(isinstance(s, dict) and s.get("is_processing") for s in slots):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
 
 
 class ChatWire:
@@ -679,6 +739,14 @@ class ChatWire:
                     f"--chat-template-file (README: A local model)"
                 ),
             )
+
+
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """A cancelled call to an ``openai-compat`` server is acknowledged
+        once a one-slot llama.cpp server has dropped it (see
+        :func:`wait_slot_released`)."""
+        if self.provider == "openai-compat":
+            await wait_slot_released(client, base_url)
 
 
 class OpenAIChatAdapter(WireAdapter):

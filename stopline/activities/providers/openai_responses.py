@@ -415,6 +415,9 @@ class ResponsesWire:
     async def preflight(self, client: httpx.AsyncClient, *, base_url: str, request: WireRequest) -> None:
         """Nothing to check before a Responses call."""
 
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """Nothing to wait for after a cancelled call: closing the connection is enough."""
+
 
 class OpenAIResponsesAdapter(WireAdapter):
     """The adapter for the Responses API: the shared ``sample()`` over :class:`ResponsesWire`.
