@@ -379,25 +379,53 @@ def _tool_env(pairs: list[str] | None) -> dict[str, str]:
 
 
 def _limits(args: argparse.Namespace) -> TaskLimits:
-    """Task limits from flags, falling back to the settings (environment)."""
+    """Task limits from flags, falling back to the settings (environment).
+
+    Raises:
+        UsageError: A limit out of range (e.g. ``--temperature 3``).
+    """
+    from pydantic import ValidationError
+
     settings = load_settings()
     kw: dict[str, Any] = {
         "interrupt_grace_s": settings.interrupt_grace_s,
         "heartbeat_timeout_s": settings.heartbeat_timeout_s,
         "sampling_timeout_s": settings.sampling_timeout_s,
+        "sampling_total_timeout_s": settings.sampling_total_timeout_s,
         "tool_output_cap_bytes": settings.tool_output_cap_bytes,
         "host_lost_after_s": settings.host_lost_after_s,
         "tool_network": settings.tool_network or bool(getattr(args, "network", False)),
         "allow_unconfined": settings.allow_unconfined or bool(getattr(args, "allow_unconfined", False)),
         "tool_env": _tool_env(getattr(args, "tool_env", None)),
+        "max_tokens": settings.max_tokens,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
     }
-    if args.max_rounds is not None:
-        kw["max_rounds"] = args.max_rounds
-    if args.tool_timeout is not None:
-        kw["tool_timeout_s"] = args.tool_timeout
-    if args.grace is not None:
-        kw["interrupt_grace_s"] = args.grace
-    return TaskLimits(**kw)
+    flags = {
+        "max_rounds": "max_rounds", "tool_timeout": "tool_timeout_s", "grace": "interrupt_grace_s",
+        "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+    }
+    for flag, field in flags.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            kw[field] = value
+    try:
+        return TaskLimits(**kw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        raise UsageError(f"bad task limits: {problems}") from None
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """``--max-tokens``, ``--temperature``, ``--top-p`` (defaults: the settings)."""
+    parser.add_argument("--max-tokens", type=int,
+                        help="output token limit per model call (default $STOPLINE_MAX_TOKENS or 4096)")
+    parser.add_argument("--temperature", type=float,
+                        help="sampling temperature 0-2 (default $STOPLINE_TEMPERATURE, else the provider's)")
+    parser.add_argument("--top-p", type=float,
+                        help="nucleus sampling, (0, 1] (default $STOPLINE_TOP_P, else the provider's)")
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
@@ -747,6 +775,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
                     CHAT_THREAD_WORKFLOW,
                     ChatThreadInput(
                         model=model, base_url=base_url, workspace=str(Path(args.workspace).resolve()),
+                        limits=_limits(args),
                     ),
                     id=thread_id, task_queue=settings.task_queue,
                 )
@@ -973,6 +1002,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the sandbox cannot run, run commands unconfined instead of refusing them")
     r.add_argument("--tool-env", action="append", metavar="NAME=VALUE",
                    help="an environment variable for the task's tools (repeatable; enters history)")
+    _add_sampling_flags(r)
     r.add_argument("--detach", action="store_true", help="start the task and return (task_start)")
     r.add_argument("--json", action="store_true", help="print the result object as the last line")
     r.set_defaults(fn=cmd_run)
@@ -1029,6 +1059,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--increment", action="append", metavar="SOURCE:TEXT",
                     help="an external increment (inbox summary, event) sent with the next request")
     ch.add_argument("--close", action="store_true", help="close the thread after this message")
+    _add_sampling_flags(ch)
     ch.set_defaults(fn=cmd_chat)
 
     ls = sub.add_parser("list", help="list tasks and chat threads with their outcome")

@@ -64,7 +64,19 @@ class Settings(BaseSettings):
             call only on its next heartbeat, and an interrupt's hard abort
             runs on the grace timer.
         tool_output_cap_bytes: Inline cap on tool output the model sees.
-        sampling_timeout_s: start-to-close timeout of one sampling call.
+        sampling_timeout_s: start-to-close timeout of one sampling attempt.
+        sampling_total_timeout_s: schedule-to-close timeout of one sampling
+            call, every attempt and retry wait included (default 900 s: a
+            hung provider fails the task within 15 minutes).
+        sampling_idle_timeout_s: A provider that sends no byte for this long
+            (before its status line, or between stream events) fails the
+            attempt, retryably. Read by the worker.
+        max_tokens: Default output token limit per sampling call
+            (``$STOPLINE_MAX_TOKENS``; ``--max-tokens`` overrides).
+        temperature: Default sampling temperature (``$STOPLINE_TEMPERATURE``);
+            unset: the provider's default.
+        top_p: Default nucleus sampling (``$STOPLINE_TOP_P``); unset: the
+            provider's default.
         worker_shutdown_grace_s: Seconds in-flight activities get to finish
             when the worker is asked to stop (SIGTERM); shorter than a
             container's usual 30 s termination grace.
@@ -138,6 +150,11 @@ class Settings(BaseSettings):
     push_cancel: bool = True
     tool_output_cap_bytes: int = 16_384
     sampling_timeout_s: float = 600.0
+    sampling_total_timeout_s: float = Field(default=900.0, gt=0)
+    sampling_idle_timeout_s: float = Field(default=300.0, gt=0)
+    max_tokens: int = Field(default=4096, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     worker_shutdown_grace_s: float = 10.0
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
@@ -162,6 +179,12 @@ class Settings(BaseSettings):
     tool_output_store_cap_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
     shell_log_cap_bytes: int = Field(default=16 * 1024 * 1024, ge=4096)
     retention_days: float = Field(default=7.0, ge=0)
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """``STOPLINE_TEMPERATURE=`` (set but empty) means the provider's default."""
+        return None if value == "" else value
 
     @field_validator("otel", "allow_unconfined", "tool_network", mode="before")
     @classmethod

@@ -161,3 +161,23 @@ def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: P
     finally:
         _stopline(cli_env, "down")
     assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+
+
+def test_sampling_flags_and_settings_make_the_task_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stopline.cli import UsageError, _limits, build_parser
+
+    monkeypatch.setenv("STOPLINE_TEMPERATURE", "0.2")
+    monkeypatch.setenv("STOPLINE_MAX_TOKENS", "512")
+    monkeypatch.delenv("STOPLINE_TOP_P", raising=False)
+    args = build_parser().parse_args(["run", "x"])
+    limits = _limits(args)
+    assert (limits.max_tokens, limits.temperature, limits.top_p) == (512, 0.2, None)
+    args = build_parser().parse_args(["run", "x", "--max-tokens", "64", "--temperature", "0", "--top-p", "0.5"])
+    limits = _limits(args)
+    assert (limits.max_tokens, limits.temperature, limits.top_p) == (64, 0.0, 0.5)
+    monkeypatch.delenv("STOPLINE_TEMPERATURE")
+    assert _limits(build_parser().parse_args(["chat", "hi"])).temperature is None  # the provider's default
+    with pytest.raises(UsageError, match="temperature"):
+        _limits(build_parser().parse_args(["run", "x", "--temperature", "3"]))
+    with pytest.raises(UsageError, match="max_tokens"):
+        _limits(build_parser().parse_args(["run", "x", "--max-tokens", "0"]))

@@ -10,9 +10,11 @@ never an exception, and carries no tool calls), error classification
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -93,8 +95,10 @@ async def call(
     api_key: str | None = None,
     timeout: float = 5.0,
     progress: list[int] | None = None,
+    **extra: Any,
 ) -> SamplingResult:
-    """One adapter call against ``server`` with a retry-free client."""
+    """One adapter call against ``server`` with a retry-free client
+    (``extra``: sampling settings, ``idle_timeout_s``, ``on_request``)."""
     ticks = progress if progress is not None else []
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(timeout), transport=httpx.AsyncHTTPTransport(retries=0)
@@ -110,6 +114,7 @@ async def call(
             max_tokens=256,
             stream=stream,
             on_progress=lambda: ticks.append(1),
+            **extra,
         )
 
 
@@ -620,6 +625,231 @@ async def test_responses_failed_status(serve: Serve, wire: str, stream: bool) ->
     assert err.retryable is True and "server_error" in err.message
 
 
+# ---------------------------------------------------------------------------
+# Verdicts by code, in every shape (an HTTP body, a stream error event, a
+# Responses response.failed): one classifier per provider decides.
+# ---------------------------------------------------------------------------
+
+
+def error_in_shape(wire: str, shape: str, error: dict[str, Any]) -> dict[str, Any]:
+    """A scripted entry that reports ``error`` as an HTTP 400 body, a stream
+    error event (after some progress) or a Responses ``response.failed``."""
+    if shape == "http":
+        return entry({"error": error}, status=400)
+    if shape == "failed":
+        failed = openai_response("", status="failed", error=error)
+        return entry(failed, stream_events=[
+            {"event": "response.created", "data": {"type": "response.created",
+                                                   "response": {**failed, "status": "in_progress", "error": None}}},
+            {"event": "response.failed", "data": {"type": "response.failed", "response": failed}},
+        ])
+    if wire == CHAT:
+        events = [
+            {"event": None, "data": {"choices": [{"index": 0, "delta": {"content": "Sure"}}]}},
+            {"event": None, "data": {"error": error}},
+        ]
+    else:
+        events = [
+            {"event": "response.created", "data": {"type": "response.created", "response": {"status": "in_progress", "output": []}}},
+            {"event": "error", "data": {"type": "error", "sequence_number": 2, "error": error}},
+        ]
+    return entry(reply(wire, "unused"), stream_events=events)
+
+
+SHAPES = [(CHAT, "http"), (CHAT, "stream"), (RESPONSES, "http"), (RESPONSES, "stream"), (RESPONSES, "failed")]
+
+
+@pytest.mark.parametrize(("wire", "shape"), SHAPES)
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [("insufficient_quota", "insufficient_quota"), ("invalid_api_key", "invalid_request_error"),
+     ("context_length_exceeded", "invalid_request_error"), (None, "invalid_request_error")],
+)
+async def test_quota_auth_and_invalid_request_codes_are_final(
+    serve: Serve, wire: str, shape: str, code: str | None, kind: str
+) -> None:
+    server = serve(wire, error_in_shape(wire, shape, {"type": kind, "code": code, "message": "no way", "param": None}))
+    err = await call_error(server, stream=shape != "http")
+    assert err.retryable is False, err
+    assert err.code == (code or kind) and "no way" in err.message
+    assert server.request_count() == 1
+
+
+@pytest.mark.parametrize(("wire", "shape"), SHAPES)
+@pytest.mark.parametrize(
+    ("error", "category"),
+    [({"type": "invalid_request", "code": "cyber_policy", "message": "flagged for cyber risk"}, "cyber_policy"),
+     ({"type": "invalid_request_error", "code": "bio_policy", "message": "flagged"}, "bio_policy"),
+     ({"type": "invalid_request_error", "code": "invalid_prompt", "message": "flagged as violating policy"}, "invalid_prompt"),
+     ({"type": "invalid_request_error", "code": "content_filter", "message": "filtered"}, "content_filter")],
+    ids=["cyber", "bio", "invalid_prompt", "content_filter"],
+)
+async def test_policy_codes_are_refusals_in_every_shape(
+    serve: Serve, wire: str, shape: str, error: dict[str, Any], category: str
+) -> None:
+    # DESIGN §4: the provider's verdict on the request is a refusal result,
+    # never an error Temporal would retry (and so re-send).
+    server = serve(wire, error_in_shape(wire, shape, {**error, "param": None}))
+    result = await call(server, stream=shape != "http")
+    assert_refused(result, provider=WIRE_TO_PROVIDER[wire], category=category)
+    assert result.refusal is not None and result.refusal.detail == error["message"]
+    assert result.text == "" and result.tool_calls == []
+    assert server.request_count() == 1
+
+
+@pytest.mark.parametrize(("wire", "shape"), [(CHAT, "stream"), (RESPONSES, "stream"), (RESPONSES, "failed")])
+@pytest.mark.parametrize("code", ["server_error", "rate_limit_exceeded", None])
+async def test_transient_codes_in_a_stream_are_retryable(serve: Serve, wire: str, shape: str, code: str | None) -> None:
+    server = serve(wire, error_in_shape(wire, shape, {"type": None, "code": code, "message": "try later"}))
+    err = await call_error(server, stream=True)
+    assert err.retryable is True and err.status is None and "try later" in err.message
+
+
+async def test_the_code_decides_before_the_type(serve: Serve) -> None:
+    # A generation that failed validation (the request was fine) comes with
+    # an invalid-request type; its code says a new sample may succeed.
+    error = {"type": "invalid_request_error", "code": "tool_use_failed", "message": "bad tool call"}
+    server = serve(CHAT, error_in_shape(CHAT, "stream", error))
+    assert (await call_error(server, stream=True)).retryable is True
+    error = {"type": "server_error", "code": "invalid_api_key", "message": "key revoked"}
+    server = serve(CHAT, error_in_shape(CHAT, "stream", error))
+    assert (await call_error(server, stream=True)).retryable is False
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "retryable"),
+    [("overloaded_error", None, True), ("api_error", None, True), ("invalid_request_error", None, False),
+     ("authentication_error", 401, False), ("permission_error", 403, False), ("billing_error", 402, False),
+     ("rate_limit_error", 429, True), ("overloaded_error", 529, True), ("mystery_error", None, True)],
+)
+async def test_anthropic_error_types_decide(serve: Serve, kind: str, status: int | None, retryable: bool) -> None:
+    body = {"type": "error", "error": {"type": kind, "message": f"{kind} happened"}}
+    if status is None:  # as a stream error event
+        events = [
+            {"event": "message_start", "data": {"type": "message_start", "message": {"usage": {"input_tokens": 1}}}},
+            {"event": "error", "data": body},
+        ]
+        server = serve(ANTHROPIC, entry(anthropic_message("x"), stream_events=events))
+    else:
+        server = serve(ANTHROPIC, entry(body, status=status))
+    err = await call_error(server, stream=True)
+    assert (err.retryable, err.status, err.code) == (retryable, status, kind)
+    assert f"{kind} happened" in err.message
+
+
+@pytest.mark.parametrize("wire", ALL_WIRES)
+async def test_a_silent_stream_fails_within_the_idle_bound(serve: Serve, wire: str) -> None:
+    # One event, then nothing for 30 s: the call gives up after the idle
+    # bound, retryably, however long the client's overall timeout is.
+    body = reply(wire, "a long answer that stalls")
+    server = serve(wire, entry(body, event_delay_s=30))
+    started = asyncio.get_running_loop().time()
+    err = await call_error(server, stream=True, timeout=60, idle_timeout_s=0.4)
+    elapsed = asyncio.get_running_loop().time() - started
+    assert err.retryable is True and err.status is None
+    assert "no byte for 0.4 s" in err.message and "went idle" in err.message
+    assert elapsed < 5, elapsed
+
+
+async def test_no_status_line_within_the_idle_bound(serve: Serve, stream: bool) -> None:
+    server = serve(ANTHROPIC, entry(anthropic_message("late"), delay_s=30))
+    err = await call_error(server, stream=stream, timeout=60, idle_timeout_s=0.3)
+    assert err.retryable is True and "no answer: no byte for 0.3 s" in err.message
+
+
+@pytest.mark.parametrize("wire", ALL_WIRES)
+async def test_sampling_settings_reach_the_request_only_when_set(serve: Serve, wire: str, stream: bool) -> None:
+    server = serve(wire, entry(reply(wire, "a")), entry(reply(wire, "b")), entry(reply(wire, "c")))
+    await call(server, stream=stream)
+    await call(server, stream=stream, temperature=0.0, top_p=0.5)
+    await call(server, stream=stream, temperature=1.3)
+    bodies = [r["body"] for r in server.requests()]
+    assert "temperature" not in bodies[0] and "top_p" not in bodies[0]
+    assert (bodies[1]["temperature"], bodies[1]["top_p"]) == (0.0, 0.5)
+    assert bodies[2]["temperature"] == 1.3 and "top_p" not in bodies[2]
+
+
+async def test_on_request_is_called_once_per_request(serve: Serve, stream: bool) -> None:
+    sent: list[int] = []
+    server = serve(CHAT, entry(error_body(CHAT, "nope", "invalid_request_error"), status=400))
+    await call_error(server, stream=stream, on_request=lambda: sent.append(1))
+    assert sent == [1] and server.request_count() == 1
+
+
+class _LocalServer:
+    """A stdlib stand-in for a llama.cpp server: ``GET /props`` answers
+    ``props`` (``None``: 404), ``POST`` answers one chat completion."""
+
+    def __init__(self, props: dict[str, Any] | None) -> None:
+        answer = json.dumps(openai_chat_completion("ok")).encode()
+        self.posts = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                data = json.dumps(props).encode() if props is not None and self.path == "/props" else b"{}"
+                self.send_response(200 if props is not None and self.path == "/props" else 404)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:
+                outer.posts += 1
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> _LocalServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+async def compat_call(url: str, tools: list[ToolSpec]) -> SamplingResult:
+    async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(retries=0)) as client:
+        return await get_adapter("openai-compat").sample(
+            client, base_url=url, api_key=None, model="local", system="", messages=PROMPT,
+            tools=tools, max_tokens=16, stream=False, on_progress=lambda: None,
+        )
+
+
+async def test_compat_server_whose_template_cannot_do_tools_fails_before_the_call() -> None:
+    caps = {"chat_template_caps": {"supports_tools": False, "supports_tool_calls": False}}
+    with _LocalServer(caps) as server:
+        with pytest.raises(ProviderError) as info:
+            await compat_call(server.url, TOOLS)
+        assert server.posts == 0
+        assert (await compat_call(server.url, [])).text == "ok"  # no tools offered: nothing to check
+    err = info.value
+    assert err.retryable is False and err.code == "template_without_tools"
+    assert "chat template cannot use tools" in err.message and "supports_tools=false" in err.message
+
+
+@pytest.mark.parametrize(
+    "props", [{"chat_template_caps": {"supports_tools": True, "supports_tool_calls": True}}, None],
+    ids=["capable", "no-props-endpoint"],
+)
+async def test_compat_server_that_can_do_tools_or_does_not_say_is_called(props: dict[str, Any] | None) -> None:
+    with _LocalServer(props) as server:
+        assert (await compat_call(server.url, TOOLS)).text == "ok"
+        assert server.posts == 1
+
+
 async def test_chat_stream_without_done_but_finished_is_accepted(serve: Serve, stream: bool) -> None:
     # Some compatible servers end with finish_reason and close, no [DONE].
     events = [
@@ -872,3 +1102,88 @@ def test_tool_call_from_raw(raw: str, arguments: dict[str, Any] | None, error: s
     call = tool_call_from_raw("c", "t", raw)
     assert call.arguments == arguments and call.raw_arguments == raw
     assert (call.parse_error is None) if error is None else (error in (call.parse_error or ""))
+
+
+class _OneSlotServer:
+    """A stdlib stand-in for a one-slot llama.cpp server that streams slowly
+    and, like llama.cpp, frees its slot a while after the client hangs up."""
+
+    def __init__(self, release_after_s: float) -> None:
+        self.busy = False
+        self.freed_at: float | None = None
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _json(self, value: Any) -> None:
+                data = json.dumps(value).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/props":
+                    self._json({"total_slots": 1, "chat_template_caps": {"supports_tools": True}})
+                else:
+                    self._json([{"id": 0, "is_processing": outer.busy}])
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                outer.busy = True
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                chunk = {"choices": [{"index": 0, "delta": {"content": "word "}}]}
+                try:
+                    for _ in range(400):
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:
+                    time.sleep(release_after_s)  # noticed the hang-up; the slot frees later
+                outer.busy = False
+                outer.freed_at = time.monotonic()
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> _OneSlotServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("provider", ["openai-compat", "openai"])
+async def test_a_cancelled_call_waits_for_a_one_slot_server_to_free_its_slot(provider: str) -> None:
+    # An interrupt cancels the sampling call: against a one-slot local server
+    # the cancel is acknowledged only once the server has dropped the
+    # generation, so the next request does not queue behind it. A hosted
+    # provider ("openai") is not asked anything after a cancel.
+    with _OneSlotServer(release_after_s=0.3) as server:
+        ticks: list[int] = []
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(retries=0)) as client:
+            call_task = asyncio.create_task(get_adapter(provider).sample(
+                client, base_url=server.url, api_key=None, model="local", system="", messages=PROMPT,
+                tools=[], max_tokens=500, stream=True, on_progress=lambda: ticks.append(1),
+            ))
+            while len(ticks) < 3:
+                await asyncio.sleep(0.01)
+            call_task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call_task
+            acknowledged = time.monotonic()
+        if provider == "openai-compat":
+            assert server.freed_at is not None and server.freed_at <= acknowledged
+            assert not server.busy
+        else:  # acknowledged at once, while the server was still generating
+            assert server.freed_at is None or server.freed_at > acknowledged

@@ -8,8 +8,16 @@ linearly with rounds).
 Retries belong to Temporal: a retryable :class:`ProviderError` becomes a
 retryable ``ApplicationError`` whose ``next_retry_delay`` is at least the
 provider's ``retry-after``; anything else becomes a non-retryable one and the
-task fails with a reason naming provider, status and what was wrong. The
-httpx client is built with no retries of its own.
+task fails with a reason naming provider, model, attempts, status and what
+was wrong. The httpx client is built with no retries of its own; a provider
+that sends no byte for ``STOPLINE_SAMPLING_IDLE_TIMEOUT_S`` fails the attempt
+(retryably).
+
+Every attempt says how many provider requests the call has made so far —
+in its heartbeat details and in its failure details (``{"attempt",
+"requests", ...}``) — so the workflow counts ``provider_calls`` truly even
+when Temporal ends the call with a timeout, which carries only the last
+heartbeat's details.
 
 API keys are read here, from the environment (``Settings``), and never
 returned or logged: they never enter workflow history (DESIGN §5).
@@ -193,15 +201,24 @@ async def sample(inp: SampleInput) -> SamplingResult:
         ApplicationError: ``ProviderError`` (retryable per the provider's
             classification, ``next_retry_delay`` ≥ retry-after) or
             ``ConversationInvalid`` (non-retryable). ``details[0]`` is
-            ``{"attempt": n, "status": http status or None}``.
+            ``{"attempt": n, "requests": provider requests so far,
+            "status": http status or None, "provider", "model"}``.
     """
     with structlog.contextvars.bound_contextvars(task_id=inp.task_id, round=inp.round):
         return await _sample(inp)
 
 
+def _failure(info: activity.Info, requests: int, *, status: int | None = None,
+             provider: str | None = None, model: str | None = None) -> dict:
+    """``details[0]`` of a failed attempt (read by the workflow's failure reason)."""
+    return {"attempt": info.attempt, "requests": requests, "status": status, "provider": provider, "model": model}
+
+
 async def _sample(inp: SampleInput) -> SamplingResult:
     settings = load_settings()
     info = activity.info()
+    # Each attempt sends at most one request; earlier attempts sent theirs.
+    sent = [info.attempt - 1]
     store = default_store()
     # append_rows fsyncs off the event loop: a blocking fsync (~3-10 ms on a
     # disk) would stall every other call of this worker.
@@ -218,7 +235,7 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     except ConversationInvalid as e:
         raise ApplicationError(
             f"transcript invalid for the provider: {e}",
-            {"attempt": info.attempt, "status": None},
+            _failure(info, sent[0]),
             type=CONVERSATION_INVALID_TYPE,
             non_retryable=True,
         ) from e
@@ -227,13 +244,20 @@ async def _sample(inp: SampleInput) -> SamplingResult:
         adapter = get_adapter(provider)
     except ValueError as e:
         raise ApplicationError(
-            str(e), {"attempt": info.attempt, "status": None},
+            str(e), _failure(info, sent[0]),
             type=PROVIDER_ERROR_TYPE, non_retryable=True,
         ) from e
     base_url, api_key = _base_url_and_key(provider, inp, settings)
     client = _http_client(settings.sampling_timeout_s)
+
+    def count_request() -> None:
+        sent[0] = info.attempt
+
     try:
-        async with heartbeating():
+        # The heartbeat details carry the request count: a timeout reports
+        # only the last heartbeat's details, and provider_calls must still
+        # count every request (DESIGN §5).
+        async with heartbeating(lambda: {"attempt": info.attempt, "requests": sent[0]}):
             call = adapter.sample(
                 client,
                 base_url=base_url,
@@ -245,6 +269,10 @@ async def _sample(inp: SampleInput) -> SamplingResult:
                 max_tokens=inp.max_tokens,
                 stream=inp.stream,
                 on_progress=lambda: None,
+                temperature=inp.temperature,
+                top_p=inp.top_p,
+                idle_timeout_s=settings.sampling_idle_timeout_s,
+                on_request=count_request,
             )
             calls = current().calls
             if calls is None:
@@ -258,7 +286,7 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             raise  # Temporal's cancel (or a worker shutdown): the SDK reports it
         raise ApplicationError(
             "sampling dropped: the turn was interrupted",
-            {"attempt": info.attempt, "status": None},
+            _failure(info, sent[0]),
             type=SAMPLING_DROPPED_ERROR,
             non_retryable=True,
             category=ApplicationErrorCategory.BENIGN,  # an interrupt, not a fault: no warning
@@ -266,12 +294,12 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     except ProviderError as e:
         log.warning(
             "provider_error", task_id=inp.task_id, provider=e.provider, status=e.status,
-            retryable=e.retryable, attempt=info.attempt,
+            retryable=e.retryable, attempt=info.attempt, code=e.code,
         )
         delay = timedelta(seconds=e.retry_after_s) if e.retry_after_s else None
         raise ApplicationError(
             str(e),
-            {"attempt": info.attempt, "status": e.status},
+            _failure(info, sent[0], status=e.status, provider=e.provider, model=model),
             type=PROVIDER_ERROR_TYPE,
             non_retryable=not e.retryable,
             next_retry_delay=delay,
@@ -284,7 +312,7 @@ async def _sample(inp: SampleInput) -> SamplingResult:
         raise ApplicationError(
             f"{result.provider} response of {size} bytes (text and tool arguments) exceeds "
             f"the {MAX_RESULT_BYTES}-byte limit of one model turn; ask for smaller steps",
-            {"attempt": info.attempt, "status": 200},
+            _failure(info, sent[0], status=200, provider=result.provider, model=model),
             type=RESPONSE_TOO_LARGE_TYPE,
             non_retryable=True,
         )

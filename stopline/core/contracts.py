@@ -477,6 +477,9 @@ class SampleInput(_Model):
         toolset: Name of the activity-side tool set to offer (keeps the tool
             schemas out of every round's history).
         max_tokens: Output token limit sent to the provider.
+        temperature: Sampling temperature sent to the provider; ``None``
+            sends none (the provider's default).
+        top_p: Nucleus sampling sent to the provider; ``None`` sends none.
         stream: Ask for SSE streaming.
         thread_kind: ``task`` | ``chat`` | ``fix``. A *task* whose ledger
             already holds a ``provider-refusal-stop`` row is answered with that
@@ -505,6 +508,8 @@ class SampleInput(_Model):
     round: int = 0
     chain_id: str = ""
     extra_tools: list[ToolSpec] = Field(default_factory=list)
+    temperature: float | None = None
+    top_p: float | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -649,8 +654,15 @@ class TaskLimits(_Model):
         tool_timeout_s: Per-tool-call timeout in seconds.
         interrupt_grace_s: Grace between cancel request and hard abort,
             seconds (seed 002: 100 ms).
-        max_tokens: Output token limit per sampling call.
+        max_tokens: Output token limit per sampling call (sent always:
+            Anthropic requires it).
         sampling_timeout_s: start-to-close timeout of one sampling attempt.
+        sampling_total_timeout_s: schedule-to-close timeout of one sampling
+            call, all attempts and retry waits included: the longest a round
+            can wait for a provider before the task fails (15 minutes).
+        temperature: Sampling temperature, 0-2; ``None``: the provider's
+            default (Anthropic, OpenAI: 1; llama.cpp: 0.8).
+        top_p: Nucleus sampling, (0, 1]; ``None``: the provider's default.
         heartbeat_timeout_s: Heartbeat timeout of sampling and tool
             activities: a worker that dies is noticed after this long.
             Heartbeats only prove liveness (cancels are pushed, DESIGN §3);
@@ -682,7 +694,7 @@ class TaskLimits(_Model):
     max_rounds: int = 50
     tool_timeout_s: float = 120.0
     interrupt_grace_s: float = 0.1
-    max_tokens: int = 4096
+    max_tokens: int = Field(default=4096, ge=1)
     sampling_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 30.0
     continue_as_new_after_events: int = 10_000
@@ -693,6 +705,9 @@ class TaskLimits(_Model):
     tool_network: bool = False
     allow_unconfined: bool = False
     tool_env: dict[str, str] = Field(default_factory=dict)
+    sampling_total_timeout_s: float = Field(default=900.0, gt=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
 
 
 class ThreadInput(_Model):

@@ -55,6 +55,8 @@ from stopline.workflows._state import (
     activity_failure_reason,
     is_dropped_sampling,
     is_lost,
+    sampling_failure_reason,
+    sampling_requests,
     settled_outcome,
 )
 from stopline.workflows._subtasks import SubtaskMixin
@@ -183,7 +185,11 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 if self._lost_host_of(err):
                     raise HostLost("a model call on it was never picked up") from None
                 self._count_failed_attempts(err)
-                return End("failed", activity_failure_reason(err))
+                return End("failed", sampling_failure_reason(
+                    err, self._candidates[self._candidate].model,
+                    attempt_timeout_s=limits.sampling_timeout_s,
+                    total_timeout_s=limits.sampling_total_timeout_s,
+                ))
             self._n.provider_calls += result.attempt
             self._flushed_seq = max(self._flushed_seq, self._sampled_upto)
 
@@ -287,11 +293,14 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 round=self._n.rounds,
                 chain_id=workflow.info().first_execution_run_id,
                 extra_tools=[t.spec() for t in self._inp.tools],
+                temperature=limits.temperature,
+                top_p=limits.top_p,
             ),
             result_type=SamplingResult,
             task_queue=self._host_queue(),
             **self._host_bound(),
             start_to_close_timeout=timedelta(seconds=limits.sampling_timeout_s),
+            schedule_to_close_timeout=timedelta(seconds=limits.sampling_total_timeout_s),
             heartbeat_timeout=timedelta(seconds=limits.heartbeat_timeout_s),
             retry_policy=SAMPLING_RETRY,
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
@@ -614,13 +623,8 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         await self._abort_turn(sampling, running, finished)
 
     def _count_failed_attempts(self, err: ActivityError) -> None:
-        cause = err.cause
-        if isinstance(cause, ApplicationError) and cause.details:
-            detail = cause.details[0]
-            if isinstance(detail, dict):
-                self._n.provider_calls += int(detail.get("attempt", 1))
-                return
-        self._n.provider_calls += 1
+        # Every request, whatever ended the call (timeouts included).
+        self._n.provider_calls += sampling_requests(err)
 
     # ------------------------------------------------- shared handlers
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     from stopline.core.contracts import (
@@ -143,3 +143,91 @@ def activity_failure_reason(err: BaseException) -> str:
             parts.append(text)
         cause = getattr(cause, "cause", None)
     return "; ".join(parts) or str(err)
+
+
+def _timeout_text(kind: TimeoutType | None, attempt_s: float | None, total_s: float | None) -> str:
+    if kind == TimeoutType.START_TO_CLOSE:
+        bound = f" ({attempt_s:g} s)" if attempt_s else ""
+        return f"no answer within one attempt's start-to-close timeout{bound}"
+    if kind == TimeoutType.SCHEDULE_TO_CLOSE:
+        bound = f" {total_s:g} s" if total_s else ""
+        return f"the call's total time bound ran out (schedule-to-close{bound})"
+    if kind == TimeoutType.HEARTBEAT:
+        return "the worker running it stopped heartbeating (lost)"
+    if kind == TimeoutType.SCHEDULE_TO_START:
+        return "no worker picked it up (schedule-to-start)"
+    return "timed out"
+
+
+def _details(err: ActivityError) -> dict[str, Any]:
+    """What the sampling activity said about its attempts: the failure's
+    details, or — when Temporal ended it with a timeout — its last heartbeat's."""
+    cause = err.cause
+    found: Any = None
+    if isinstance(cause, ApplicationError) and cause.details:
+        found = cause.details[0]
+    elif isinstance(cause, TimeoutError) and cause.last_heartbeat_details:
+        found = cause.last_heartbeat_details[0]
+    return found if isinstance(found, dict) else {}
+
+
+def sampling_requests(err: ActivityError) -> int:
+    """Provider requests a failed sampling call made, whatever ended it.
+
+    The sampling activity carries ``{"attempt", "requests"}`` in its failure
+    details and in every heartbeat, so a timeout (which carries only the last
+    heartbeat's details) is counted too. Nothing said: one request.
+    """
+    details = _details(err)
+    value = details.get("requests", details.get("attempt"))
+    return value if isinstance(value, int) and value >= 0 else 1
+
+
+def sampling_failure_reason(
+    err: ActivityError,
+    model_ref: str,
+    *,
+    attempt_timeout_s: float | None = None,
+    total_timeout_s: float | None = None,
+) -> str:
+    """A failed sampling call's reason: provider, model, attempts, status and
+    the last cause, in one line.
+
+    Args:
+        err: The sampling activity's failure.
+        model_ref: ``provider:model`` the call was made to.
+        attempt_timeout_s: The call's start-to-close timeout (named when it
+            is the cause).
+        total_timeout_s: Its schedule-to-close timeout (likewise).
+
+    Returns:
+        e.g. ``"openai-compat:smollm2 failed after 1 attempt (1 provider
+        request); status HTTP 400; last cause: openai-compat HTTP 400:
+        exceed_context_size_error: ..."``.
+    """
+    details = _details(err)
+    attempt = details.get("attempt")
+    attempts = attempt if isinstance(attempt, int) else 1
+    requests = sampling_requests(err)
+    status = details.get("status")
+    if isinstance(err.cause, TimeoutError):
+        # Earliest first: a schedule-to-close timeout wraps the attempt's.
+        chain: list[str] = []
+        cause: BaseException | None = err.cause
+        while cause is not None:
+            if isinstance(cause, TimeoutError):
+                chain.append(_timeout_text(cause.type, attempt_timeout_s, total_timeout_s))
+            else:
+                chain.append(str(getattr(cause, "message", cause)))
+            cause = getattr(cause, "cause", None)
+        last = "; then ".join(reversed(chain))
+        status_text = "none (timed out)"
+    else:
+        last = activity_failure_reason(err)
+        status_text = f"HTTP {status}" if isinstance(status, int) else "none"
+    plural = "s" if attempts != 1 else ""
+    rplural = "s" if requests != 1 else ""
+    return (
+        f"{model_ref} failed after {attempts} attempt{plural} ({requests} provider request{rplural}); "
+        f"status {status_text}; last cause: {last}"
+    )

@@ -8,7 +8,8 @@ sequence, its error bodies and its refusal signal.
 What it must never do:
 
 - retry (Temporal owns retries; errors are classified once, in
-  :func:`classify_http_error`, and raised as :class:`ProviderError`);
+  :func:`classify_error`, whatever shape the error came in, and raised as
+  :class:`ProviderError`);
 - raise on a refusal: ``stop_reason: "refusal"`` is a *result*
   (``SamplingResult.stop_reason == "refusal"``, seed 000, DESIGN §4), with
   or without text before it, and it carries no tool calls — no tool from a
@@ -19,20 +20,24 @@ What it must never do:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from stopline.activities.providers.base import (
+    ErrorReport,
     ProviderError,
-    error_body_message,
+    StreamOutcome,
+    WireAdapter,
+    WireRequest,
+    error_report,
     is_retryable_status,
     load_json_event,
     parse_retry_after,
-    send_request,
+    sampling_fields,
     shape_error,
     tool_call_from_raw,
+    truncate,
 )
 from stopline.core.contracts import (
     Message,
@@ -42,7 +47,6 @@ from stopline.core.contracts import (
     TextPart,
     ToolCall,
     ToolResultPart,
-    ToolSpec,
     ToolUsePart,
     Usage,
 )
@@ -128,76 +132,92 @@ def _content_blocks(message: Message) -> list[dict[str, Any]]:
     return blocks
 
 
-def build_request(
-    *,
-    model: str,
-    system: str,
-    messages: list[Message],
-    tools: list[ToolSpec],
-    max_tokens: int,
-    stream: bool,
-) -> dict[str, Any]:
+def build_request(request: WireRequest) -> dict[str, Any]:
     """The JSON body of one Messages request.
 
     Anthropic Messages API: ``system`` is top-level (omitted when empty);
     ``messages[].content`` is a list of ``text`` / ``tool_use`` /
     ``tool_result`` blocks; tools are ``{name, description, input_schema}``
-    (omitted when there are none). A message left with no blocks is skipped.
+    (omitted when there are none); ``max_tokens`` is required;
+    ``temperature`` and ``top_p`` only when set. A message left with no
+    blocks is skipped.
 
     Args:
-        model: Model name.
-        system: System prompt.
-        messages: The conversation.
-        tools: Tools offered.
-        max_tokens: Output token limit.
-        stream: Ask for SSE.
+        request: The call.
 
     Returns:
         The request body.
     """
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens}
-    if system:
-        body["system"] = system
+    body: dict[str, Any] = {"model": request.model, "max_tokens": request.max_tokens}
+    body.update(sampling_fields(request))
+    if request.system:
+        body["system"] = request.system
     wire: list[dict[str, Any]] = []
-    for message in messages:
+    for message in request.messages:
         blocks = _content_blocks(message)
         if blocks:
             wire.append({"role": message.role, "content": blocks})
     body["messages"] = wire
-    if tools:
+    if request.tools:
         body["tools"] = [
-            {"name": t.name, "description": t.description, "input_schema": t.input_schema} for t in tools
+            {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+            for t in request.tools
         ]
-    if stream:
+    if request.stream:
         body["stream"] = True
     return body
 
 
-def classify_http_error(status: int, headers: httpx.Headers, body: str) -> ProviderError:
-    """Classify a non-2xx answer from the Messages API. The only place that does.
+#: Anthropic error types whose request may succeed when sent again
+#: (Anthropic Messages API, errors: 429 ``rate_limit_error``, 500
+#: ``api_error``, 529 ``overloaded_error``, 504 ``timeout_error``).
+RETRYABLE_TYPES = frozenset({"rate_limit_error", "api_error", "overloaded_error", "timeout_error"})
+#: Error types that say the request, the key or the account is wrong:
+#: sending it again cannot help (400 ``invalid_request_error``, 401
+#: ``authentication_error``, 402 ``billing_error``, 403 ``permission_error``,
+#: 404 ``not_found_error``, 413 ``request_too_large``).
+FINAL_TYPES = frozenset({
+    "invalid_request_error", "authentication_error", "billing_error", "permission_error",
+    "not_found_error", "request_too_large",
+})
 
-    Anthropic Messages API, errors: 408/409/429/5xx and 529
-    ``overloaded_error`` are retryable, honouring ``retry-after``; every other
-    4xx (400 ``invalid_request_error``, 401 ``authentication_error``, 403,
-    404, 413 ...) is not. Anthropic has no "prompt filtered" 400: its refusal
-    is always ``stop_reason: "refusal"`` on a 200, so this never returns a
-    result.
+
+def classify_error(report: ErrorReport, *, model: str = "") -> ProviderError:
+    """Classify a failed Messages call, in any shape. The only place that does.
+
+    Anthropic Messages API, errors: the error ``type`` decides first —
+    :data:`FINAL_TYPES` are not retryable, :data:`RETRYABLE_TYPES` are;
+    otherwise the HTTP status (408/409/429/5xx and 529 retryable, every other
+    4xx not), and an error event in a stream without a known type is
+    retryable (Anthropic sends ``overloaded_error`` that way). A retryable
+    error keeps ``retry-after``. Anthropic has no "prompt filtered" error:
+    its refusal is always ``stop_reason: "refusal"`` on a 200, so this never
+    returns a result.
 
     Args:
-        status: HTTP status.
-        headers: Response headers (``retry-after`` / ``retry-after-ms``).
-        body: Response body text.
+        report: The error, from an HTTP body or a stream ``error`` event.
+        model: Model name (unused: no refusal comes this way).
 
     Returns:
         The error to raise.
     """
-    retryable = is_retryable_status(status)
+    kind = report.kind or report.code or ""
+    if kind in FINAL_TYPES:
+        retryable = False
+    elif kind in RETRYABLE_TYPES:
+        retryable = True
+    elif report.status is not None:
+        retryable = is_retryable_status(report.status)
+    else:
+        retryable = True
+    where = "" if report.shape == "http" else "stream error event: "
     return ProviderError(
         provider=PROVIDER,
-        status=status,
+        status=report.status,
         retryable=retryable,
-        message=error_body_message(body),
-        retry_after_s=parse_retry_after(headers) if retryable else None,
+        message=truncate(f"{where}{report.label()}"),
+        retry_after_s=parse_retry_after(report.headers) if retryable else None,
+        code=kind or None,
     )
 
 
@@ -330,16 +350,17 @@ class _Block:
         self.json: list[str] = []
 
 
-class StreamAssembler:
+class StreamAssembler(StreamOutcome):
     """Builds a result from the Messages SSE sequence.
 
     Anthropic Messages API, streaming: ``message_start`` →
     (``content_block_start`` → ``content_block_delta``* →
     ``content_block_stop``)* → ``message_delta`` (``stop_reason``,
     ``stop_details``, ``usage``) → ``message_stop``. ``ping`` and unknown
-    events are ignored; an ``error`` event is a retryable ProviderError, a
-    stream that ends without ``message_stop`` broke off (retryable), and one
-    that reaches it without a ``stop_reason`` is malformed (not retryable).
+    events are ignored; an ``error`` event ends the stream with
+    :func:`classify_error`'s verdict, a stream that ends without
+    ``message_stop`` broke off (retryable), and one that reaches it without a
+    ``stop_reason`` is malformed (not retryable).
     """
 
     def __init__(self, model: str) -> None:
@@ -391,15 +412,14 @@ class StreamAssembler:
             self.stopped = True
             return True
         elif kind == "error":
-            raise ProviderError(
-                provider=PROVIDER, status=None, retryable=True,
-                message=f"stream error event: {error_body_message(data)}",
-            )
+            return self.fail(classify_error(error_report(payload, shape="stream", raw=data), model=self.model))
         return False
 
     def finish(self) -> SamplingResult:
         """The result; retryable ProviderError if ``message_stop`` never came,
-        non-retryable if no ``stop_reason`` did."""
+        non-retryable if no ``stop_reason`` did; the classified error of an
+        ``error`` event."""
+        self.verdict()
         if not self.stopped:
             raise ProviderError(
                 provider=PROVIDER, status=None, retryable=True,
@@ -431,58 +451,44 @@ class StreamAssembler:
         )
 
 
-class AnthropicAdapter:
-    """The :class:`~activities.providers.base.ProviderAdapter` for Anthropic."""
+class AnthropicWire:
+    """The Messages API's :class:`~stopline.activities.providers.base.Wire`."""
 
     provider = PROVIDER
 
-    async def sample(
-        self,
-        client: httpx.AsyncClient,
-        *,
-        base_url: str,
-        api_key: str | None,
-        model: str,
-        system: str,
-        messages: list[Message],
-        tools: list[ToolSpec],
-        max_tokens: int,
-        stream: bool,
-        on_progress: Callable[[], None],
-    ) -> SamplingResult:
-        """Make one Messages call (one try) and return its result.
+    def url(self, base_url: str) -> str:
+        """``{base_url}/v1/messages``."""
+        return messages_url(base_url)
 
-        Args:
-            client: httpx client built by the caller, with retries off.
-            base_url: e.g. ``https://api.anthropic.com``.
-            api_key: Sent as ``x-api-key`` when given.
-            model: Model name.
-            system: System prompt.
-            messages: The conversation.
-            tools: Tools offered.
-            max_tokens: Output token limit.
-            stream: Use SSE (``"stream": true``).
-            on_progress: Called on every streamed event.
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        """``anthropic-version``, and ``x-api-key`` when there is a key."""
+        return request_headers(api_key)
 
-        Returns:
-            The result; a refusal is a result (``stop_reason == "refusal"``).
+    def build_request(self, request: WireRequest) -> dict[str, Any]:
+        """See :func:`build_request`."""
+        return build_request(request)
 
-        Raises:
-            ProviderError: Classified by :func:`classify_http_error`, or a
-                shape / stream / network error.
-        """
-        return await send_request(
-            client,
-            provider=PROVIDER,
-            url=messages_url(base_url),
-            headers=request_headers(api_key),
-            payload=build_request(
-                model=model, system=system, messages=messages, tools=tools,
-                max_tokens=max_tokens, stream=stream,
-            ),
-            stream=stream,
-            on_progress=on_progress,
-            classify=classify_http_error,
-            parse_body=lambda body: parse_message(body, model=model),
-            new_assembler=lambda: StreamAssembler(model),
-        )
+    def parse_body(self, body: Any, *, model: str) -> SamplingResult:
+        """See :func:`parse_message`."""
+        return parse_message(body, model=model)
+
+    def new_stream(self, *, model: str) -> StreamAssembler:
+        """A :class:`StreamAssembler`."""
+        return StreamAssembler(model)
+
+    def classify_error(self, report: ErrorReport, *, model: str) -> ProviderError:
+        """See :func:`classify_error`."""
+        return classify_error(report, model=model)
+
+    async def preflight(self, client: httpx.AsyncClient, *, base_url: str, request: WireRequest) -> None:
+        """Nothing to check before a Messages call."""
+
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """Nothing to wait for after a cancelled call: closing the connection is enough."""
+
+
+class AnthropicAdapter(WireAdapter):
+    """The adapter for Anthropic: the shared ``sample()`` over :class:`AnthropicWire`."""
+
+    def __init__(self) -> None:
+        super().__init__(AnthropicWire())

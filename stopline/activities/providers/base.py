@@ -1,23 +1,51 @@
-"""The provider adapter interface and the one error type adapters raise.
+"""One ``sample()`` for every provider, over a small wire-format interface.
 
-An adapter turns provider-neutral :class:`~stopline.core.contracts.Message` lists
-into one provider's wire format, sends it over httpx (streaming SSE where the
-provider offers it), and parses the answer into a
-:class:`~stopline.core.contracts.SamplingResult`. It never retries: Temporal owns
-retries (STYLE: "the provider client built with retries off").
+An adapter turns provider-neutral :class:`~stopline.core.contracts.Message`
+lists into one provider's wire format, sends it over httpx (streaming SSE
+where the provider offers it), and parses the answer into a
+:class:`~stopline.core.contracts.SamplingResult`. What is the same for every
+provider lives here, once: the HTTP round trip, reading SSE with
+``httpx-sse``, the idle bound on a stream, turning network errors into
+retryable failures, and routing every provider error — whatever shape it
+came in — to the provider's one classifier. What differs lives in a
+:class:`Wire`, one per provider module:
 
-Errors are classified in exactly one function per provider
-(``classify_http_error`` in each adapter module) into :class:`ProviderError`
-with ``retryable`` set; the sampling activity maps that onto Temporal's retry
-policy. A refusal is never an error: it is a ``SamplingResult`` with
-``stop_reason == "refusal"`` (seed 000).
+==================  ===================================================
+``url``/``headers``   where and how to authenticate
+``preflight``         checks before a call (a local server's template)
+``build_request``     the JSON body (messages, tools, sampling settings)
+``parse_body``        a complete JSON answer → result
+``new_stream``        an assembler fed one SSE event at a time
+``classify_error``    the provider's verdict on a failed call, from an
+                      :class:`ErrorReport` (HTTP body, stream error event
+                      or Responses ``response.failed`` alike)
+``after_cancel``      what a cancelled call waits for (a local server
+                      dropping its generation)
+==================  ===================================================
+
+Rules this module enforces for all of them:
+
+- It never retries: Temporal owns retries (STYLE rule 3); the caller builds
+  the httpx client with ``retries=0``.
+- Errors are classified in exactly one function per provider (STYLE rule 4):
+  ``Wire.classify_error``. A refusal is never an error: the classifier may
+  answer a policy verdict with a ``SamplingResult`` whose ``stop_reason`` is
+  ``"refusal"`` (seed 000, DESIGN §4), which is returned, not raised.
+- A stream that sends no byte for ``idle_timeout_s`` is a retryable failure
+  (httpx's read timeout is per read, so it measures exactly that).
+- A cancelled call (a user interrupt reaching the sampling activity) closes
+  its connection at once, then gives the wire a bounded ``after_cancel``
+  before the cancel propagates: a local one-slot server is then free when
+  the cancel is acknowledged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import httpx
 import httpx_sse
@@ -30,14 +58,17 @@ class ProviderError(StoplineError):
     """A provider call failed.
 
     Attributes:
-        provider: Provider id (``anthropic``, ``openai``, ``openai-responses``).
-        status: HTTP status, or ``None`` for a broken stream / bad shape.
-        retryable: ``True`` for 408/409/429/5xx/529, a stream that broke off
-            or sent an error event, a network error; ``False`` for other 4xx
-            and a body without the expected shape (an engine error).
+        provider: Provider id (``anthropic``, ``openai``, ``openai-compat``,
+            ``openai-responses``).
+        status: HTTP status, or ``None`` for a stream error event, a
+            ``response.failed``, a broken or idle stream, a network error.
+        retryable: Whether Temporal may send the request again (see each
+            wire's ``classify_error``).
+        message: What was wrong, in words (the provider's own, truncated).
         retry_after_s: Seconds the provider asked us to wait
             (``retry-after`` / ``retry-after-ms``), if any.
-        message: What was wrong, in words.
+        code: The provider's error code or type (``insufficient_quota``,
+            ``overloaded_error`` ...), when it gave one.
     """
 
     def __init__(
@@ -48,26 +79,30 @@ class ProviderError(StoplineError):
         retryable: bool,
         message: str,
         retry_after_s: float | None = None,
+        code: str | None = None,
     ) -> None:
         self.provider = provider
         self.status = status
         self.retryable = retryable
         self.retry_after_s = retry_after_s
         self.message = message
-        where = f"HTTP {status}" if status is not None else "no status"
+        self.code = code
+        where = f"HTTP {status}" if status is not None else "(no HTTP status)"
         super().__init__(f"{provider} {where}: {message}")
 
 
-def parse_retry_after(headers: httpx.Headers) -> float | None:
+def parse_retry_after(headers: httpx.Headers | None) -> float | None:
     """Seconds to wait from ``retry-after-ms`` or ``retry-after`` (seconds form).
 
     Args:
-        headers: Response headers.
+        headers: Response headers (``None``: none, e.g. a stream event).
 
     Returns:
         Seconds, or ``None`` when absent or unparseable (an HTTP-date form is
         treated as absent).
     """
+    if headers is None:
+        return None
     ms = headers.get("retry-after-ms")
     if ms is not None:
         try:
@@ -83,8 +118,26 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
         return None
 
 
-class SamplingRequest(Protocol):
-    """What an adapter needs to make one call (duck-typed)."""
+# ---------------------------------------------------------------------------
+# What a wire is given and what it classifies
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    """One model call, provider-neutral.
+
+    Attributes:
+        model: Model name as the provider knows it.
+        system: System prompt ("" for none).
+        messages: The conversation.
+        tools: Tools offered (empty: none).
+        max_tokens: Output token limit.
+        stream: Ask for SSE.
+        temperature: Sampling temperature; ``None`` sends none (the
+            provider's default).
+        top_p: Nucleus sampling; ``None`` sends none.
+    """
 
     model: str
     system: str
@@ -92,43 +145,177 @@ class SamplingRequest(Protocol):
     tools: list[ToolSpec]
     max_tokens: int
     stream: bool
+    temperature: float | None = None
+    top_p: float | None = None
 
 
-class ProviderAdapter(Protocol):
-    """One provider's wire format.
+#: Where a provider error was found: a non-2xx HTTP answer, an error event in
+#: an SSE stream, or a Responses ``response.failed`` (streamed or in a body).
+ErrorShape = Literal["http", "stream", "failed"]
 
-    ``sample`` calls ``on_progress()`` on every streamed chunk (the sampling
-    activity also heartbeats from a background loop).
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """A provider's error in any shape, reduced to what a classifier reads.
+
+    Attributes:
+        shape: See :data:`ErrorShape`.
+        status: HTTP status (``None`` for the stream shapes).
+        code: ``error.code`` (as text; some servers send a number).
+        kind: ``error.type`` (``invalid_request_error``, ``overloaded_error``).
+        param: ``error.param``.
+        message: ``error.message`` (or the raw body), truncated.
+        error: The error object itself (``{}`` when the body had none).
+        headers: Response headers (``None`` for stream events).
     """
 
-    provider: str
+    shape: ErrorShape
+    status: int | None
+    code: str | None
+    kind: str | None
+    param: str | None
+    message: str
+    error: dict[str, Any] = field(default_factory=dict)
+    headers: httpx.Headers | None = None
 
-    async def sample(
-        self,
-        client: httpx.AsyncClient,
-        *,
-        base_url: str,
-        api_key: str | None,
-        model: str,
-        system: str,
-        messages: list[Message],
-        tools: list[ToolSpec],
-        max_tokens: int,
-        stream: bool,
-        on_progress: Callable[[], None],
-    ) -> SamplingResult:
-        """Make one model call and return its result.
+    def label(self) -> str:
+        """``"<type>/<code>: <message>"`` with the parts that are present,
+        at most :data:`ERROR_TEXT_LIMIT` characters."""
+        labels = [x for x in (self.kind, self.code) if x]
+        labels = [x for i, x in enumerate(labels) if x not in labels[:i]]
+        return truncate(f"{'/'.join(labels)}: {self.message}" if labels else self.message)
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (str, int)):
+        return str(value) or None
+    return None
+
+
+def error_report(obj: Any, *, shape: ErrorShape, status: int | None = None,
+                 headers: httpx.Headers | None = None, raw: str = "") -> ErrorReport:
+    """An :class:`ErrorReport` from an error body, event or failed response.
+
+    Accepts the shapes providers use: ``{"error": {"type", "code",
+    "message", "param"}}`` (OpenAI, Anthropic bodies and events, a chat
+    ``error`` chunk), ``{"type": "error", "code", "message"}`` (a flat
+    Responses error event), ``{"error": "text"}``, or anything else (quoted
+    raw).
+
+    Args:
+        obj: The decoded JSON (any type).
+        shape: Where it was found.
+        status: HTTP status, if any.
+        headers: Response headers, if any.
+        raw: The text it was decoded from, quoted when nothing else says
+            what was wrong.
+
+    Returns:
+        The report; its ``message`` is at most :data:`ERROR_TEXT_LIMIT` long.
+    """
+    err: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        inner = obj.get("error")
+        if isinstance(inner, dict):
+            err = inner
+        elif isinstance(inner, str) and inner:
+            err = {"message": inner}
+        else:
+            err = obj
+    kind = _text(err.get("type"))
+    if kind == "error" or kind in _EVENT_TYPES:
+        kind = None  # the event's own type, not the error's
+    message = err.get("message")
+    if not isinstance(message, str) or not message:
+        message = raw.strip() or (json.dumps(err) if err else "(empty body)")
+    return ErrorReport(
+        shape=shape, status=status, code=_text(err.get("code")), kind=kind,
+        param=_text(err.get("param")), message=truncate(message), error=err, headers=headers,
+    )
+
+
+_EVENT_TYPES = ("response.failed", "response.error")
+
+
+class StreamAssembler(Protocol):
+    """Builds one SamplingResult from a provider's SSE events."""
+
+    def feed(self, event: str, data: str) -> bool:
+        """Take one SSE event; return ``True`` once the stream is over for us
+        (its terminal event, or an error the wire has classified).
 
         Raises:
-            ProviderError: On any failure, classified retryable or not.
+            ProviderError: A malformed event (non-retryable).
+        """
+        ...
+
+    def finish(self) -> SamplingResult:
+        """The result, once the stream has ended.
+
+        Raises:
+            ProviderError: The classified error the stream reported, or a
+                retryable "stream broke off" when it ended before its
+                terminal event.
         """
         ...
 
 
+class Wire(Protocol):
+    """One provider's wire format: everything :func:`sample` does not know."""
+
+    #: Provider id reported in results and errors.
+    provider: str
+
+    def url(self, base_url: str) -> str:
+        """The endpoint for ``base_url``."""
+        ...
+
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        """Request headers; auth only when there is a key."""
+        ...
+
+    def build_request(self, request: WireRequest) -> dict[str, Any]:
+        """The JSON body of one request."""
+        ...
+
+    def parse_body(self, body: Any, *, model: str) -> SamplingResult:
+        """A complete JSON answer as a result.
+
+        Raises:
+            ProviderError: A body without the expected shape, or one that
+                reports a failure (classified).
+        """
+        ...
+
+    def new_stream(self, *, model: str) -> StreamAssembler:
+        """A fresh assembler for one streamed answer."""
+        ...
+
+    def classify_error(self, report: ErrorReport, *, model: str) -> ProviderError | SamplingResult:
+        """The provider's verdict on a failed call: the error to raise, or a
+        refusal result. The only place the provider's errors are classified."""
+        ...
+
+    async def preflight(self, client: httpx.AsyncClient, *, base_url: str, request: WireRequest) -> None:
+        """Checks before the call (e.g. a local server's capabilities).
+
+        Raises:
+            ProviderError: Non-retryable, when the call cannot succeed.
+        """
+        ...
+
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """After a cancelled call, once its connection is closed: wait
+        (bounded) until the server has dropped it, where that can be seen
+        (a one-slot local server). Never raises."""
+        ...
+
+
 # ---------------------------------------------------------------------------
-# Shared by the three adapter modules (added with them). None of these
-# retries, and none decides what a refusal is: each adapter module keeps its
-# own ``classify_http_error`` and its own refusal rules.
+# Helpers the wires share. None of these retries, and none decides what a
+# refusal is: each wire module keeps its own classifier and refusal rules.
 # ---------------------------------------------------------------------------
 
 #: How much of a provider's error text a ProviderError message keeps.
@@ -154,39 +341,6 @@ def is_retryable_status(status: int) -> bool:
         ``True`` for 408, 409, 429, 500-599.
     """
     return status in (408, 409, 429) or 500 <= status <= 599
-
-
-def error_body_message(body: str) -> str:
-    """The provider's own words from an error body, truncated.
-
-    Both Anthropic (``{"type": "error", "error": {"type", "message"}}``) and
-    OpenAI (``{"error": {"message", "type", "code", "param"}}``) put them
-    under ``error``; anything else is quoted raw.
-
-    Args:
-        body: The response body as text.
-
-    Returns:
-        ``"<type>/<code>: <message>"`` when the body has that shape, else
-        the body itself (or ``"(empty body)"``), at most
-        :data:`ERROR_TEXT_LIMIT` characters.
-    """
-    try:
-        data = json.loads(body)
-    except ValueError:
-        data = None
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, str) and err:
-            return truncate(err)
-        if isinstance(err, dict):
-            labels = [str(err[k]) for k in ("type", "code") if isinstance(err.get(k), (str, int)) and err.get(k)]
-            message = err.get("message")
-            text = str(message) if message else json.dumps(err)
-            return truncate(f"{'/'.join(labels)}: {text}" if labels else text)
-        if isinstance(data.get("message"), str):
-            return truncate(data["message"])
-    return truncate(body.strip() or "(empty body)")
 
 
 def tool_call_from_raw(call_id: str, name: str, raw_arguments: str) -> ToolCall:
@@ -246,106 +400,205 @@ def load_json_event(provider: str, data: str) -> dict[str, Any]:
     return value
 
 
-class StreamAssembler(Protocol):
-    """Builds one SamplingResult from a provider's SSE events."""
+def sampling_fields(request: WireRequest) -> dict[str, Any]:
+    """``temperature`` / ``top_p`` for a request body, only those that are set.
 
-    def feed(self, event: str, data: str) -> bool:
-        """Take one SSE event; return ``True`` once the terminal event is seen.
+    All three wires spell them the same way (Anthropic Messages, OpenAI Chat
+    Completions and Responses); unset means the provider's default.
+    """
+    out: dict[str, Any] = {}
+    if request.temperature is not None:
+        out["temperature"] = request.temperature
+    if request.top_p is not None:
+        out["top_p"] = request.top_p
+    return out
+
+
+class StreamOutcome:
+    """Base for assemblers: holds an error the wire classified mid-stream.
+
+    An assembler that meets an error event calls :meth:`fail` with the
+    classifier's verdict and stops; :meth:`verdict` then gives it back from
+    ``finish()`` — raised when it is an error, returned when it is a refusal.
+    """
+
+    outcome: ProviderError | SamplingResult | None = None
+
+    def fail(self, verdict: ProviderError | SamplingResult) -> bool:
+        """Remember ``verdict``; returns ``True`` (the stream is over for us)."""
+        self.outcome = verdict
+        return True
+
+    def verdict(self) -> SamplingResult | None:
+        """The remembered refusal, or ``None`` when there is no verdict.
 
         Raises:
-            ProviderError: On an error event (retryable) or a malformed one.
+            ProviderError: The remembered error.
         """
-        ...
-
-    def finish(self) -> SamplingResult:
-        """The result, once the stream has ended.
-
-        Raises:
-            ProviderError: Retryable "stream broke off" when the stream ended
-                before its terminal event.
-        """
-        ...
+        if isinstance(self.outcome, ProviderError):
+            raise self.outcome
+        return self.outcome
 
 
-async def send_request(
-    client: httpx.AsyncClient,
-    *,
-    provider: str,
-    url: str,
-    headers: dict[str, str],
-    payload: dict[str, Any],
-    stream: bool,
-    on_progress: Callable[[], None],
-    classify: Callable[[int, httpx.Headers, str], ProviderError | SamplingResult],
-    parse_body: Callable[[Any], SamplingResult],
-    new_assembler: Callable[[], StreamAssembler],
-) -> SamplingResult:
-    """POST one request and turn the answer into a SamplingResult. One try.
+# ---------------------------------------------------------------------------
+# The one sample()
+# ---------------------------------------------------------------------------
 
-    The HTTP round trip every adapter shares: a non-2xx status goes to the
-    module's ``classify`` (which may turn it into a refusal result), a 2xx
-    body to ``parse_body`` or, when streaming, each SSE event (read with
-    ``httpx-sse``) to the assembler. A streaming request answered with a
-    plain JSON body (a server that ignores ``stream``) is parsed as one.
-    Network errors (``httpx.RequestError``: connect, read, timeouts, a
-    connection dropped mid-stream) become retryable ProviderErrors. Nothing
-    is retried here: Temporal owns retries.
+#: Longest a cancelled call spends in its wire's ``after_cancel``.
+AFTER_CANCEL_BOUND_S = 2.0
+
+
+class WireAdapter:
+    """A provider adapter: :meth:`sample` over one :class:`Wire`.
 
     Args:
-        client: The caller's client (built with retries off).
-        provider: Provider id for error messages.
-        url: Endpoint URL.
-        headers: Request headers (auth included when there is a key).
-        payload: JSON body.
-        stream: Read the answer as SSE.
-        on_progress: Called once the status line arrives and on every event.
-        classify: The provider module's ``classify_http_error``.
-        parse_body: Parses a complete JSON body.
-        new_assembler: Makes the stream assembler.
-
-    Returns:
-        The sampling result (a refusal included).
-
-    Raises:
-        ProviderError: Classified retryable or not.
+        wire: The provider's wire format.
     """
-    status: int | None = None
-    try:
-        if not stream:
-            response = await client.post(url, headers=headers, json=payload)
-            status = response.status_code
-            on_progress()
-            if not response.is_success:
-                return _outcome(classify(status, response.headers, response.text))
-            return parse_body(_json_body(provider, response))
-        async with httpx_sse.aconnect_sse(client, "POST", url, headers=dict(headers), json=payload) as source:
-            response = source.response
-            status = response.status_code
-            on_progress()
-            if not response.is_success:
-                await response.aread()
-                return _outcome(classify(status, response.headers, response.text))
-            if "text/event-stream" not in response.headers.get("content-type", ""):
-                await response.aread()
-                return parse_body(_json_body(provider, response))
-            assembler = new_assembler()
-            async for sse in source.aiter_sse():
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+        self.provider = wire.provider
+
+    async def sample(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        base_url: str,
+        api_key: str | None,
+        model: str,
+        system: str,
+        messages: list[Message],
+        tools: list[ToolSpec],
+        max_tokens: int,
+        stream: bool,
+        on_progress: Callable[[], None],
+        temperature: float | None = None,
+        top_p: float | None = None,
+        idle_timeout_s: float | None = None,
+        on_request: Callable[[], None] | None = None,
+    ) -> SamplingResult:
+        """Make one model call (one try) and return its result.
+
+        A non-2xx status goes to the wire's ``classify_error`` (which may
+        turn it into a refusal result), a 2xx body to ``parse_body`` or, when
+        streaming, each SSE event (read with ``httpx-sse``) to the wire's
+        assembler. A streaming request answered with a plain JSON body (a
+        server that ignores ``stream``) is parsed as one. Network errors
+        (connect, read, a connection dropped mid-stream) and an idle stream
+        become retryable ProviderErrors. Nothing is retried here.
+
+        Args:
+            client: The caller's client (built with retries off).
+            base_url: e.g. ``https://api.anthropic.com``,
+                ``https://api.openai.com/v1``, ``http://127.0.0.1:8080/v1``.
+            api_key: Sent the wire's way when given.
+            model: Model name.
+            system: System prompt.
+            messages: The conversation.
+            tools: Tools offered.
+            max_tokens: Output token limit.
+            stream: Use SSE.
+            on_progress: Called once the status line arrives and on every
+                streamed event.
+            temperature: Sampling temperature; ``None``: provider default.
+            top_p: Nucleus sampling; ``None``: provider default.
+            idle_timeout_s: Seconds without a byte (before the status line or
+                between events) after which the call fails, retryably;
+                ``None``: the client's own read timeout.
+            on_request: Called just before the request is sent (the caller
+                counts provider requests with it).
+
+        Returns:
+            The result; a refusal is a result (``stop_reason == "refusal"``).
+
+        Raises:
+            ProviderError: Classified by the wire, or a shape / stream /
+                network / idle error.
+        """
+        wire = self.wire
+        request = WireRequest(
+            model=model, system=system, messages=messages, tools=tools, max_tokens=max_tokens,
+            stream=stream, temperature=temperature, top_p=top_p,
+        )
+        await wire.preflight(client, base_url=base_url, request=request)
+        url, headers, payload = wire.url(base_url), wire.headers(api_key), wire.build_request(request)
+        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        if idle_timeout_s is not None:
+            base = client.timeout
+            timeout = httpx.Timeout(
+                connect=base.connect, read=idle_timeout_s, write=base.write, pool=base.pool
+            )
+        status: int | None = None
+        if on_request is not None:
+            on_request()
+        try:
+            if not stream:
+                response = await client.post(url, headers=headers, json=payload, timeout=timeout)
+                status = response.status_code
                 on_progress()
-                if assembler.feed(sse.event, sse.data):
-                    break
-            return assembler.finish()
-    except httpx.RequestError as e:
-        where = "stream broke off" if status is not None else "request failed"
-        raise ProviderError(
-            provider=provider, status=None, retryable=True,
-            message=f"{where}: network error {type(e).__name__}: {truncate(str(e) or repr(e))}",
-        ) from e
+                if not response.is_success:
+                    return self._http_error(response, model)
+                return wire.parse_body(_json_body(self.provider, response), model=model)
+            async with httpx_sse.aconnect_sse(
+                client, "POST", url, headers=dict(headers), json=payload, timeout=timeout
+            ) as source:
+                response = source.response
+                status = response.status_code
+                on_progress()
+                if not response.is_success:
+                    await response.aread()
+                    return self._http_error(response, model)
+                if "text/event-stream" not in response.headers.get("content-type", ""):
+                    await response.aread()
+                    return wire.parse_body(_json_body(self.provider, response), model=model)
+                assembler = wire.new_stream(model=model)
+                async for sse in source.aiter_sse():
+                    on_progress()
+                    if assembler.feed(sse.event, sse.data):
+                        break
+                return assembler.finish()
+        except asyncio.CancelledError:
+            # The connection is closed by now (the `async with` has exited).
+            try:
+                await asyncio.wait_for(wire.after_cancel(client, base_url=base_url), AFTER_CANCEL_BOUND_S)
+            except (asyncio.TimeoutError, httpx.HTTPError):
+                pass
+            raise
+        except httpx.TimeoutException as e:
+            if idle_timeout_s is not None and isinstance(e, httpx.ReadTimeout):
+                where = "stream went idle" if status is not None else "no answer"
+                message = (
+                    f"{where}: no byte for {idle_timeout_s:g} s "
+                    f"(idle bound; network error {type(e).__name__})"
+                )
+            else:
+                where = "stream broke off" if status is not None else "request failed"
+                message = f"{where}: network error {type(e).__name__}: {truncate(str(e) or repr(e))}"
+            raise ProviderError(provider=self.provider, status=None, retryable=True, message=message) from e
+        except httpx.RequestError as e:
+            where = "stream broke off" if status is not None else "request failed"
+            raise ProviderError(
+                provider=self.provider, status=None, retryable=True,
+                message=f"{where}: network error {type(e).__name__}: {truncate(str(e) or repr(e))}",
+            ) from e
+
+    def _http_error(self, response: httpx.Response, model: str) -> SamplingResult:
+        try:
+            body: Any = json.loads(response.content)
+        except ValueError:
+            body = None
+        report = error_report(
+            body, shape="http", status=response.status_code, headers=response.headers, raw=response.text,
+        )
+        verdict = self.wire.classify_error(report, model=model)
+        if isinstance(verdict, ProviderError):
+            raise verdict
+        return verdict
 
 
-def _outcome(classified: ProviderError | SamplingResult) -> SamplingResult:
-    if isinstance(classified, ProviderError):
-        raise classified
-    return classified
+#: Kept for callers that name the adapter interface; every adapter is a
+#: :class:`WireAdapter`.
+ProviderAdapter = WireAdapter
 
 
 def _json_body(provider: str, response: httpx.Response) -> Any:

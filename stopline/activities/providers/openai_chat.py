@@ -9,10 +9,12 @@ what those servers understand (``max_tokens``, string ``content``).
 What it must never do:
 
 - retry (Temporal owns retries; errors are classified once, in
-  :func:`classify_http_error`);
+  :func:`classify_error`, whether they come as an HTTP body or a stream
+  ``error`` chunk);
 - raise on a refusal. ``finish_reason: "content_filter"``, a non-empty
   ``refusal`` on the message or in stream deltas (whatever ``finish_reason``
-  says), and an HTTP 400 saying the *prompt* was filtered are all a
+  says), and an error whose code is a policy verdict (an HTTP 400 saying
+  the *prompt* was filtered, ``cyber_policy`` ...) are all a
   ``SamplingResult`` with ``stop_reason == "refusal"`` (seed 000, DESIGN §4),
   and a refused result carries no tool calls;
 - treat ``length`` as a refusal (it is a truncation).
@@ -20,20 +22,24 @@ What it must never do:
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import json
-from collections.abc import Callable
+import time
 from typing import Any
 
 import httpx
 
 from stopline.activities.providers.base import (
+    ErrorReport,
     ProviderError,
-    error_body_message,
+    StreamOutcome,
+    WireAdapter,
+    WireRequest,
+    error_report,
     is_retryable_status,
     load_json_event,
     parse_retry_after,
-    send_request,
+    sampling_fields,
     shape_error,
     tool_call_from_raw,
     truncate,
@@ -46,7 +52,6 @@ from stopline.core.contracts import (
     TextPart,
     ToolCall,
     ToolResultPart,
-    ToolSpec,
     ToolUsePart,
     Usage,
 )
@@ -62,8 +67,6 @@ _FINISH_REASONS: dict[str, StopReason] = {
     "length": "max_tokens",
     "content_filter": "refusal",
 }
-#: Error codes of a 400 that says the prompt itself was filtered.
-_PROMPT_FILTER_CODES = ("content_filter", "content_policy_violation")
 #: ``error.param`` values that name a request field, not a policy category.
 _REQUEST_FIELDS = ("prompt", "messages", "input", "instructions", "content")
 
@@ -134,15 +137,7 @@ def _wire_messages(system: str, messages: list[Message]) -> list[dict[str, Any]]
     return wire
 
 
-def build_request(
-    *,
-    model: str,
-    system: str,
-    messages: list[Message],
-    tools: list[ToolSpec],
-    max_tokens: int,
-    stream: bool,
-) -> dict[str, Any]:
+def build_request(request: WireRequest) -> dict[str, Any]:
     """The JSON body of one Chat Completions request.
 
     OpenAI Chat Completions: the system prompt is the first message; an
@@ -153,30 +148,27 @@ def build_request(
     tools are ``{"type": "function", "function": {name, description,
     parameters}}`` (omitted when none). ``max_tokens`` rather than
     ``max_completion_tokens``: compatible servers only know the former.
-    Streaming asks for usage (``stream_options.include_usage``).
+    ``temperature`` / ``top_p`` only when set. Streaming asks for usage
+    (``stream_options.include_usage``).
 
     Args:
-        model: Model name.
-        system: System prompt.
-        messages: The conversation.
-        tools: Tools offered.
-        max_tokens: Output token limit.
-        stream: Ask for SSE.
+        request: The call.
 
     Returns:
         The request body.
     """
     body: dict[str, Any] = {
-        "model": model,
-        "messages": _wire_messages(system, messages),
-        "max_tokens": max_tokens,
+        "model": request.model,
+        "messages": _wire_messages(request.system, request.messages),
+        "max_tokens": request.max_tokens,
     }
-    if tools:
+    body.update(sampling_fields(request))
+    if request.tools:
         body["tools"] = [
             {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
-            for t in tools
+            for t in request.tools
         ]
-    if stream:
+    if request.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
@@ -189,108 +181,160 @@ def _filtered_categories(results: Any) -> list[str]:
     return [k for k, v in results.items() if isinstance(v, dict) and v.get("filtered") is True]
 
 
-def _error_object(body: str) -> dict[str, Any] | None:
-    """The ``error`` object of an OpenAI error body, if it has one."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    err = data.get("error") if isinstance(data, dict) else None
-    return err if isinstance(err, dict) else None
+#: Error codes that are the provider's verdict on the *request's content*: a
+#: refusal (DESIGN §4), never retried, never re-sent. OpenAI API error codes
+#: (``content_policy_violation``, ``invalid_prompt`` "flagged as potentially
+#: violating our usage policy", the policy categories ``cyber_policy`` /
+#: ``bio_policy``); Azure OpenAI ``content_filter``.
+POLICY_CODES = frozenset({
+    "content_filter", "content_policy_violation", "invalid_prompt", "cyber_policy", "bio_policy",
+})
+#: Policy codes that name their category themselves.
+_CATEGORY_CODES = frozenset({"invalid_prompt", "cyber_policy", "bio_policy"})
+#: Codes and types that say the request, the key or the account is wrong:
+#: sending it again cannot help (OpenAI API error codes: 401
+#: ``invalid_api_key``, 403 / ``permission_error``, 429
+#: ``insufficient_quota``, 400 ``invalid_request_error`` and its codes;
+#: llama.cpp ``exceed_context_size_error``, ``authentication_error``,
+#: ``not_supported_error``). Any code starting with ``invalid_`` is one too.
+FINAL_CODES = frozenset({
+    "insufficient_quota", "billing_hard_limit_reached", "account_deactivated",
+    "invalid_api_key", "authentication_error", "permission_error", "invalid_request_error",
+    "context_length_exceeded", "exceed_context_size_error", "unsupported_parameter",
+    "unsupported_value", "model_not_found", "not_found_error", "not_supported_error",
+})
+#: Codes and types of a transient failure (OpenAI ``server_error``,
+#: ``rate_limit_exceeded``; compatible servers' ``overloaded`` /
+#: ``unavailable_error``) and of a generation that failed where a new sample
+#: may not (Groq ``tool_use_failed``: the model's tool call did not match its
+#: schema — the request was fine).
+RETRYABLE_CODES = frozenset({
+    "server_error", "rate_limit_exceeded", "rate_limit_error", "overloaded", "overloaded_error",
+    "unavailable_error", "service_unavailable", "timeout", "api_error", "tool_use_failed",
+})
+#: ``error.param`` values that name a request field, not a policy category.
+_REQUEST_FIELDS = ("prompt", "messages", "input", "instructions", "content")
 
 
-def prompt_filter_refusal(status: int, body: str, *, provider: str) -> Refusal | None:
-    """The refusal in an HTTP 400 saying the *prompt* was filtered, if it is one.
+def _filtered_categories(results: Any) -> list[str]:
+    """Keys of an Azure-style ``content_filter_result(s)`` with ``filtered: true``."""
+    if not isinstance(results, dict):
+        return []
+    return [k for k, v in results.items() if isinstance(v, dict) and v.get("filtered") is True]
 
-    OpenAI / Azure OpenAI: a 400 with ``error.code`` ``content_filter`` or
-    ``content_policy_violation`` (or a ``type`` / ``code`` containing
-    ``content_filter``, or Azure's ``innererror.code``
-    ``ResponsibleAIPolicyViolation``) means the provider judged the request
-    itself (DESIGN §4). Category: the filtered keys of Azure's
+
+def policy_refusal(report: ErrorReport, *, provider: str) -> Refusal | None:
+    """The refusal in an error that is a policy verdict, if it is one.
+
+    OpenAI / Azure OpenAI: ``error.code`` in :data:`POLICY_CODES`, a code or
+    type containing ``content_filter``, or Azure's ``innererror.code``
+    ``ResponsibleAIPolicyViolation`` means the provider judged the request
+    itself (DESIGN §4) — in an HTTP 4xx body, a stream ``error`` event or a
+    ``response.failed`` alike. Category: the filtered keys of Azure's
     ``content_filter_result``, else ``error.param`` when it names a policy
-    rather than a request field (e.g. ``cyber_policy``), else
-    ``content_filter``. Shared by the Chat and Responses adapters.
+    rather than a request field, else a code that names its category
+    (``cyber_policy``, ``bio_policy``, ``invalid_prompt``), else
+    ``content_filter``.
 
     Args:
-        status: HTTP status.
-        body: Response body text.
+        report: The error.
         provider: Provider id for the refusal.
 
     Returns:
         The refusal, or ``None`` when this is an ordinary error.
     """
-    err = _error_object(body)
-    if status != 400 or err is None:
+    if report.status is not None and not 400 <= report.status < 500:
         return None
-    code, kind = str(err.get("code") or ""), str(err.get("type") or "")
-    inner: dict[str, Any] = v if isinstance(v := err.get("innererror"), dict) else {}
-    filtered = (
-        code in _PROMPT_FILTER_CODES
+    code, kind = report.code or "", report.kind or ""
+    inner: dict[str, Any] = v if isinstance(v := report.error.get("innererror"), dict) else {}
+    policy = (
+        code in POLICY_CODES
         or CONTENT_FILTER in code
         or CONTENT_FILTER in kind
         or inner.get("code") == "ResponsibleAIPolicyViolation"
     )
-    if not filtered:
+    if not policy:
         return None
-    param = err.get("param")
     categories = _filtered_categories(inner.get("content_filter_result")) or _filtered_categories(
         inner.get("content_filter_results")
     )
+    param = report.param
     if categories:
         category = categories[0]
-    elif isinstance(param, str) and param and param not in _REQUEST_FIELDS:
+    elif param and param not in _REQUEST_FIELDS:
         category = param
+    elif code in _CATEGORY_CODES:
+        category = code
     else:
         category = CONTENT_FILTER
-    message = err.get("message")
-    return Refusal(
-        provider=provider,
-        category=category,
-        detail=truncate(message) if isinstance(message, str) and message else None,
-    )
+    return Refusal(provider=provider, category=category, detail=report.message or None)
 
 
-def classify_http_error(
-    status: int,
-    headers: httpx.Headers,
-    body: str,
+def is_final_code(code: str) -> bool:
+    """Whether an OpenAI error code or type says "do not send this again"."""
+    return code in FINAL_CODES or code.startswith("invalid_")
+
+
+def classify_error(
+    report: ErrorReport,
     *,
     provider: str = PROVIDER,
     model: str = "",
 ) -> ProviderError | SamplingResult:
-    """Classify a non-2xx answer. The only place the Chat adapter does.
+    """Classify a failed OpenAI-family call, in any shape. The only place the
+    Chat adapter does (the Responses adapter uses it too: same API, same codes).
 
-    OpenAI API, error codes: a 400 saying the prompt was filtered is a
-    refusal *result* (see :func:`prompt_filter_refusal`); 408/409/429/5xx are
-    retryable, honouring ``retry-after`` / ``retry-after-ms``, except a 429
-    whose ``error.code`` is ``insufficient_quota`` (the account is out of
-    credit: waiting does not help); every other 4xx is not retryable.
+    OpenAI API, error codes, in this order:
+
+    1. a policy verdict (:func:`policy_refusal`) is a refusal *result*;
+    2. a code in :data:`FINAL_CODES` (or ``invalid_*``) is not retryable —
+       ``insufficient_quota`` even on a 429 — and one in
+       :data:`RETRYABLE_CODES` is; the code decides before the type;
+    3. likewise the type (``invalid_request_error``, ``server_error``);
+    4. otherwise the HTTP status: 408/409/429/5xx retryable, other 4xx not;
+    5. a stream ``error`` event or ``response.failed`` without a known code
+       is retryable (the provider failed mid-answer).
+
+    A retryable HTTP error keeps ``retry-after`` / ``retry-after-ms``.
 
     Args:
-        status: HTTP status.
-        headers: Response headers.
-        body: Response body text.
-        provider: Provider id (``openai`` or ``openai-compat``).
+        report: The error, from an HTTP body, a stream event or a failed
+            response.
+        provider: Provider id (``openai``, ``openai-compat``,
+            ``openai-responses``).
         model: Model name, for a refusal result.
 
     Returns:
         A refusal result, or the error to raise.
     """
-    refusal = prompt_filter_refusal(status, body, provider=provider)
+    refusal = policy_refusal(report, provider=provider)
     if refusal is not None:
+        raw = f"http_{report.status}" if report.status is not None else _RAW_STOP[report.shape]
         return SamplingResult(
-            provider=provider, model=model, stop_reason="refusal",
-            raw_stop_reason=f"http_{status}", refusal=refusal,
+            provider=provider, model=model, stop_reason="refusal", raw_stop_reason=raw, refusal=refusal,
         )
-    err = _error_object(body) or {}
-    retryable = is_retryable_status(status) and err.get("code") != "insufficient_quota"
+    codes = [c for c in (report.code, report.kind) if c]
+    # The code is more specific than the type (Groq's ``tool_use_failed``
+    # comes with type ``invalid_request_error``): the first known one decides.
+    known = [c for c in codes if is_final_code(c) or c in RETRYABLE_CODES]
+    if known:
+        retryable = known[0] in RETRYABLE_CODES
+    elif report.status is not None:
+        retryable = is_retryable_status(report.status)
+    else:
+        retryable = True
+    where = {"http": "", "stream": "stream error event: ", "failed": "response failed: "}[report.shape]
     return ProviderError(
         provider=provider,
-        status=status,
+        status=report.status,
         retryable=retryable,
-        message=error_body_message(body),
-        retry_after_s=parse_retry_after(headers) if retryable else None,
+        message=truncate(f"{where}{report.label()}"),
+        retry_after_s=parse_retry_after(report.headers) if retryable else None,
+        code=(codes[0] if codes else None),
     )
+
+
+_RAW_STOP = {"http": "http_error", "stream": "error_event", "failed": "response.failed"}
 
 
 def chat_result(
@@ -423,15 +467,15 @@ class _CallPieces:
         self.arguments: list[str] = []
 
 
-class StreamAssembler:
+class StreamAssembler(StreamOutcome):
     """Builds a result from Chat Completions chunks.
 
     OpenAI Chat Completions, streaming: ``data:`` chunks whose
     ``choices[0].delta`` carries ``content``, ``refusal`` and ``tool_calls``
     pieces (by ``index``: ``id`` and ``function.name`` once, then
     ``function.arguments`` pieces), a chunk with ``finish_reason``, a usage
-    chunk (``choices: []``), then ``data: [DONE]``. A chunk with ``error`` is
-    a retryable ProviderError; a stream that ends with neither ``[DONE]`` nor
+    chunk (``choices: []``), then ``data: [DONE]``. A chunk with ``error``
+    ends the stream with :func:`classify_error`'s verdict; a stream that ends with neither ``[DONE]`` nor
     a ``finish_reason`` broke off (retryable); ``[DONE]`` without any
     ``finish_reason`` is malformed (not retryable).
     """
@@ -467,10 +511,8 @@ class StreamAssembler:
             return True
         chunk = load_json_event(self.provider, data)
         if chunk.get("error"):
-            raise ProviderError(
-                provider=self.provider, status=None, retryable=True,
-                message=f"stream error chunk: {error_body_message(data)}",
-            )
+            report = error_report(chunk, shape="stream", raw=data)
+            return self.fail(classify_error(report, provider=self.provider, model=self.model))
         usage = _usage(chunk.get("usage"))
         if usage is not None:
             self.usage = usage
@@ -502,7 +544,11 @@ class StreamAssembler:
         return False
 
     def finish(self) -> SamplingResult:
-        """The result; retryable ProviderError if the stream broke off."""
+        """The result; retryable ProviderError if the stream broke off; the
+        classified error (or refusal) of an ``error`` chunk."""
+        refused = self.verdict()
+        if refused is not None:
+            return refused
         if not self.done and self.finish_reason is None:
             raise ProviderError(
                 provider=self.provider, status=None, retryable=True,
@@ -528,8 +574,110 @@ class StreamAssembler:
         )
 
 
-class OpenAIChatAdapter:
-    """The :class:`~activities.providers.base.ProviderAdapter` for Chat Completions.
+#: Seconds a local server's ``/props`` answer is trusted before it is asked
+#: again (the server may be restarted with another chat template).
+PROPS_TTL_S = 60.0
+_props_seen: dict[str, tuple[float, dict[str, Any] | None]] = {}
+
+
+def server_root(base_url: str) -> str:
+    """``base_url`` without a trailing ``/v1`` (where llama.cpp serves ``/props``)."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+async def server_props(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | None:
+    """What a llama.cpp server says about itself at ``GET /props``, if it does.
+
+    Other compatible servers (vLLM, Ollama) have no such endpoint: ``None``.
+    The answer is cached per base URL for :data:`PROPS_TTL_S`.
+
+    Args:
+        client: The caller's client.
+        base_url: The server's OpenAI base URL.
+
+    Returns:
+        The ``/props`` object, or ``None``.
+    """
+    now = time.monotonic()
+    seen = _props_seen.get(base_url)
+    if seen is not None and now - seen[0] < PROPS_TTL_S:
+        return seen[1]
+    props: dict[str, Any] | None = None
+    try:
+        response = await client.get(f"{server_root(base_url)}/props", timeout=5.0)
+        data = response.json() if response.is_success else None
+        props = data if isinstance(data, dict) else None
+    except (httpx.HTTPError, ValueError):
+        props = None
+    _props_seen[base_url] = (now, props)
+    return props
+
+
+async def template_caps(client: httpx.AsyncClient, base_url: str) -> dict[str, Any] | None:
+    """The chat template capabilities a llama.cpp server reports, if it does.
+
+    llama.cpp server: ``GET /props`` answers ``chat_template_caps``
+    (``supports_tools``, ``supports_tool_calls``, ...).
+
+    Args:
+        client: The caller's client.
+        base_url: The server's OpenAI base URL.
+
+    Returns:
+        The capabilities, or ``None`` when the server does not say.
+    """
+    props = await server_props(client, base_url)
+    caps = props.get("chat_template_caps") if props else None
+    return caps if isinstance(caps, dict) else None
+
+
+#: Longest a cancelled call waits for a one-slot local server to drop it.
+CANCEL_SETTLE_S = 1.0
+
+
+async def wait_slot_released(client: httpx.AsyncClient, base_url: str, *, bound_s: float = CANCEL_SETTLE_S) -> bool:
+    """After a cancelled call: wait until a one-slot llama.cpp server has
+    dropped it, so the server is free for the next call when the cancel is
+    acknowledged.
+
+    llama.cpp notices a closed connection only when it next writes a token,
+    and keeps generating until then; with one slot (``/props``
+    ``total_slots``), the next request would queue behind it. With more slots
+    this call's slot cannot be told apart from others', so nothing is
+    awaited. ``GET /slots`` answers ``is_processing`` per slot.
+
+    Args:
+        client: The caller's client.
+        base_url: The server's OpenAI base URL.
+        bound_s: Give up after this long.
+
+    Returns:
+        ``True`` when the server's only slot is idle, ``False`` otherwise
+        (not llama.cpp, several slots, no ``/slots``, or still busy at the
+        bound).
+    """
+    props = await server_props(client, base_url)
+    if not props or props.get("total_slots") != 1:
+        return False
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            response = await client.get(f"{server_root(base_url)}/slots", timeout=bound_s)
+            slots = response.json() if response.is_success else None
+        except (httpx.HTTPError, ValueError):
+            return False
+        if not isinstance(slots, list):
+            return False
+        if not any(isinstance(s, dict) and s.get("is_processing") for s in slots):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+
+
+class ChatWire:
+    """The Chat Completions :class:`~stopline.activities.providers.base.Wire`.
 
     Args:
         provider: Provider id it reports: ``openai`` or ``openai-compat``.
@@ -538,55 +686,75 @@ class OpenAIChatAdapter:
     def __init__(self, provider: str = PROVIDER) -> None:
         self.provider = provider
 
-    async def sample(
-        self,
-        client: httpx.AsyncClient,
-        *,
-        base_url: str,
-        api_key: str | None,
-        model: str,
-        system: str,
-        messages: list[Message],
-        tools: list[ToolSpec],
-        max_tokens: int,
-        stream: bool,
-        on_progress: Callable[[], None],
-    ) -> SamplingResult:
-        """Make one Chat Completions call (one try) and return its result.
+    def url(self, base_url: str) -> str:
+        """``{base_url}/chat/completions``."""
+        return completions_url(base_url)
 
-        Args:
-            client: httpx client built by the caller, with retries off.
-            base_url: e.g. ``https://api.openai.com/v1`` or
-                ``http://localhost:11434/v1``.
-            api_key: Sent as ``Authorization: Bearer`` when given.
-            model: Model name.
-            system: System prompt.
-            messages: The conversation.
-            tools: Tools offered.
-            max_tokens: Output token limit.
-            stream: Use SSE.
-            on_progress: Called on every streamed chunk.
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        """``Authorization: Bearer`` when there is a key."""
+        return request_headers(api_key)
 
-        Returns:
-            The result; a refusal is a result (``stop_reason == "refusal"``).
+    def build_request(self, request: WireRequest) -> dict[str, Any]:
+        """See :func:`build_request`."""
+        return build_request(request)
+
+    def parse_body(self, body: Any, *, model: str) -> SamplingResult:
+        """See :func:`parse_completion`."""
+        return parse_completion(body, provider=self.provider, model=model)
+
+    def new_stream(self, *, model: str) -> StreamAssembler:
+        """A :class:`StreamAssembler`."""
+        return StreamAssembler(provider=self.provider, model=model)
+
+    def classify_error(self, report: ErrorReport, *, model: str) -> ProviderError | SamplingResult:
+        """See :func:`classify_error`."""
+        return classify_error(report, provider=self.provider, model=model)
+
+    async def preflight(self, client: httpx.AsyncClient, *, base_url: str, request: WireRequest) -> None:
+        """An ``openai-compat`` server whose chat template cannot do tools
+        fails the call before it is made.
+
+        Such a server (llama.cpp with a model's own template, e.g.
+        SmolLM2's) silently drops ``tools`` and answers in prose, so the task
+        would "complete" with an invented answer. llama.cpp says so at
+        ``/props`` (``chat_template_caps.supports_tools``); a server that
+        does not answer there is not checked.
 
         Raises:
-            ProviderError: Classified by :func:`classify_http_error`, or a
-                shape / stream / network error.
+            ProviderError: Non-retryable (code ``template_without_tools``).
         """
-        provider = self.provider
-        return await send_request(
-            client,
-            provider=provider,
-            url=completions_url(base_url),
-            headers=request_headers(api_key),
-            payload=build_request(
-                model=model, system=system, messages=messages, tools=tools,
-                max_tokens=max_tokens, stream=stream,
-            ),
-            stream=stream,
-            on_progress=on_progress,
-            classify=functools.partial(classify_http_error, provider=provider, model=model),
-            parse_body=lambda body: parse_completion(body, provider=provider, model=model),
-            new_assembler=lambda: StreamAssembler(provider=provider, model=model),
-        )
+        if self.provider != "openai-compat" or not request.tools:
+            return
+        caps = await template_caps(client, base_url)
+        if caps is None:
+            return
+        missing = [k for k in ("supports_tools", "supports_tool_calls") if caps.get(k) is False]
+        if missing:
+            raise ProviderError(
+                provider=self.provider, status=None, retryable=False, code="template_without_tools",
+                message=(
+                    f"the server's chat template cannot use tools ({server_root(base_url)}/props: "
+                    f"chat_template_caps {', '.join(f'{k}=false' for k in missing)}); stopline's "
+                    f"tools would be dropped silently. Start llama-server with a tool-capable "
+                    f"--chat-template-file (README: A local model)"
+                ),
+            )
+
+
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """A cancelled call to an ``openai-compat`` server is acknowledged
+        once a one-slot llama.cpp server has dropped it (see
+        :func:`wait_slot_released`)."""
+        if self.provider == "openai-compat":
+            await wait_slot_released(client, base_url)
+
+
+class OpenAIChatAdapter(WireAdapter):
+    """The adapter for Chat Completions: the shared ``sample()`` over :class:`ChatWire`.
+
+    Args:
+        provider: Provider id it reports: ``openai`` or ``openai-compat``.
+    """
+
+    def __init__(self, provider: str = PROVIDER) -> None:
+        super().__init__(ChatWire(provider))

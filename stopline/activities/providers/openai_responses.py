@@ -9,10 +9,12 @@ transcript lives in stopline's ledger, never on the provider.
 What it must never do:
 
 - retry (Temporal owns retries; errors are classified once, in
-  :func:`classify_http_error`);
+  :func:`classify_error`, whether they come as an HTTP body, a stream
+  ``error`` event or a ``response.failed``);
 - raise on a refusal. A ``refusal`` content part (or
   ``response.refusal.delta``), a response ``incomplete`` for
-  ``content_filter``, and an HTTP 400 saying the prompt was filtered are a
+  ``content_filter``, and an error whose code is a policy verdict
+  (``cyber_policy``, ``invalid_prompt``, a filtered prompt) are a
   ``SamplingResult`` with ``stop_reason == "refusal"`` (seed 000, DESIGN §4),
   without tool calls;
 - treat ``incomplete`` for ``max_output_tokens`` as a refusal (truncation).
@@ -20,20 +22,22 @@ What it must never do:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from stopline.activities.providers import openai_chat
 from stopline.activities.providers.base import (
+    ErrorReport,
     ProviderError,
+    StreamOutcome,
+    WireAdapter,
+    WireRequest,
+    error_report,
     load_json_event,
-    send_request,
+    sampling_fields,
     shape_error,
     tool_call_from_raw,
-    truncate,
 )
 from stopline.activities.providers.openai_chat import CONTENT_FILTER, request_headers
 from stopline.core.contracts import (
@@ -44,7 +48,6 @@ from stopline.core.contracts import (
     TextPart,
     ToolCall,
     ToolResultPart,
-    ToolSpec,
     ToolUsePart,
     Usage,
 )
@@ -93,15 +96,7 @@ def _input_items(messages: list[Message]) -> list[dict[str, Any]]:
     return items
 
 
-def build_request(
-    *,
-    model: str,
-    system: str,
-    messages: list[Message],
-    tools: list[ToolSpec],
-    max_tokens: int,
-    stream: bool,
-) -> dict[str, Any]:
+def build_request(request: WireRequest) -> dict[str, Any]:
     """The JSON body of one Responses request.
 
     OpenAI Responses API: ``instructions`` = system prompt (omitted when
@@ -109,65 +104,62 @@ def build_request(
     ``output_text`` for the assistant), ``function_call`` items {call_id,
     name, arguments as sent} and ``function_call_output`` items {call_id,
     output}; tools ``{"type": "function", name, description, parameters}``
-    (omitted when none); ``max_output_tokens``; ``store: false``.
+    (omitted when none); ``max_output_tokens``; ``temperature`` / ``top_p``
+    only when set; ``store: false``.
 
     Args:
-        model: Model name.
-        system: System prompt.
-        messages: The conversation.
-        tools: Tools offered.
-        max_tokens: Output token limit.
-        stream: Ask for SSE.
+        request: The call.
 
     Returns:
         The request body.
     """
     body: dict[str, Any] = {
-        "model": model,
-        "input": _input_items(messages),
-        "max_output_tokens": max_tokens,
+        "model": request.model,
+        "input": _input_items(request.messages),
+        "max_output_tokens": request.max_tokens,
         "store": False,
     }
-    if system:
-        body["instructions"] = system
-    if tools:
+    body.update(sampling_fields(request))
+    if request.system:
+        body["instructions"] = request.system
+    if request.tools:
         body["tools"] = [
             {"type": "function", "name": t.name, "description": t.description, "parameters": t.input_schema}
-            for t in tools
+            for t in request.tools
         ]
-    if stream:
+    if request.stream:
         body["stream"] = True
     return body
 
 
-def classify_http_error(
-    status: int,
-    headers: httpx.Headers,
-    body: str,
+def classify_error(
+    report: ErrorReport,
     *,
     provider: str = PROVIDER,
     model: str = "",
 ) -> ProviderError | SamplingResult:
-    """Classify a non-2xx answer. The only place the Responses adapter does.
+    """Classify a failed Responses call, in any shape. The only place the
+    Responses adapter does.
 
-    The Responses API shares the OpenAI API's error bodies and codes, so the
-    rules are the Chat adapter's
-    (:func:`activities.providers.openai_chat.classify_http_error`): a 400
-    saying the prompt was filtered is a refusal *result*; 408/409/429/5xx
-    are retryable, honouring ``retry-after``, except a 429
-    ``insufficient_quota``; every other 4xx is not.
+    The Responses API shares the OpenAI API's error codes, so the rules are
+    the Chat adapter's (:func:`stopline.activities.providers.openai_chat.classify_error`),
+    applied alike to an HTTP error body, a stream ``error`` event and a
+    ``response.failed`` (its ``response.error``): a policy code
+    (``cyber_policy``, ``invalid_prompt``, a content filter ...) is a
+    refusal *result*; quota, auth and invalid-request codes are not
+    retryable; ``server_error`` and rate limits are; the HTTP status decides
+    the rest; a stream error or failed response without a known code is
+    retryable.
 
     Args:
-        status: HTTP status.
-        headers: Response headers.
-        body: Response body text.
+        report: The error.
         provider: Provider id.
         model: Model name, for a refusal result.
 
     Returns:
         A refusal result, or the error to raise.
     """
-    return openai_chat.classify_http_error(status, headers, body, provider=provider, model=model)
+    return openai_chat.classify_error(report, provider=provider, model=model)
 
 
 def _usage(usage: Any) -> Usage:
@@ -177,15 +169,11 @@ def _usage(usage: Any) -> Usage:
     return Usage(input_tokens=inp if isinstance(inp, int) else 0, output_tokens=out if isinstance(out, int) else 0)
 
 
-def _failed(provider: str, response: dict[str, Any]) -> ProviderError:
-    """A ``failed`` response: retryable unless its code says the request is bad."""
-    err: dict[str, Any] = v if isinstance(v := response.get("error"), dict) else {}
-    code = str(err.get("code") or "")
-    text = err.get("message") or "no error message"
-    return ProviderError(
-        provider=provider, status=None, retryable=not code.startswith("invalid_"),
-        message=truncate(f"response failed: {code or 'unknown'}: {text}"),
-    )
+def _failed(provider: str, model: str, response: dict[str, Any]) -> ProviderError | SamplingResult:
+    """A ``failed`` response's verdict, by its ``error`` (see :func:`classify_error`)."""
+    err = response.get("error")
+    report = error_report({"error": err if isinstance(err, dict) else {}}, shape="failed")
+    return classify_error(report, provider=provider, model=model)
 
 
 def response_result(
@@ -220,16 +208,21 @@ def response_result(
 
     Raises:
         ProviderError: Non-retryable on a missing ``output`` list or
-            ``status``, or a bad item; retryable-or-not per :func:`_failed` on ``status: failed``.
+            ``status``, or a bad item; on ``status: failed``, as
+            :func:`classify_error` says (a policy code there is a refusal
+            result instead).
     """
+    status = response.get("status")
+    if status == "failed":
+        verdict = _failed(provider, model, response)
+        if isinstance(verdict, ProviderError):
+            raise verdict
+        return verdict
     output = response.get("output")
     if not isinstance(output, list):
         raise shape_error(provider, "response has no 'output' list")
-    status = response.get("status")
     if not isinstance(status, str):
         raise shape_error(provider, "response has no 'status'")
-    if status == "failed":
-        raise _failed(provider, response)
     texts: list[str] = []
     refusals: list[str] = [seen_refusal] if seen_refusal else []
     calls: list[ToolCall] = []
@@ -301,7 +294,7 @@ _TERMINAL = {
 }
 
 
-class StreamAssembler:
+class StreamAssembler(StreamOutcome):
     """Builds a result from the Responses SSE events.
 
     OpenAI Responses API, streaming: ``response.output_item.added`` /
@@ -310,8 +303,10 @@ class StreamAssembler:
     ``response.completed`` / ``response.incomplete`` / ``response.failed``
     whose ``response`` object, when it has a non-empty ``output``, is taken
     as final; otherwise the result is built from the items and deltas seen.
-    An ``error`` event is a retryable ProviderError; a stream that ends
-    without a terminal event broke off (retryable).
+    An ``error`` event ends the stream with :func:`classify_error`'s
+    verdict (a policy code is a refusal, a quota code a final failure); a
+    ``response.failed`` is classified the same way by its ``error``; a
+    stream that ends without a terminal event broke off (retryable).
     """
 
     def __init__(self, *, provider: str, model: str) -> None:
@@ -346,10 +341,8 @@ class StreamAssembler:
             self.terminal.setdefault("status", _TERMINAL[kind])
             return True
         elif kind == "error":
-            raise ProviderError(
-                provider=self.provider, status=None, retryable=True,
-                message=f"stream error event: {_event_error(payload)}",
-            )
+            report = error_report(payload, shape="stream", raw=data)
+            return self.fail(classify_error(report, provider=self.provider, model=self.model))
         return False
 
     def _streamed_output(self) -> list[dict[str, Any]]:
@@ -368,7 +361,11 @@ class StreamAssembler:
         return output
 
     def finish(self) -> SamplingResult:
-        """The result; retryable ProviderError if no terminal event came."""
+        """The result; retryable ProviderError if no terminal event came; the
+        classified verdict of an ``error`` event."""
+        refused = self.verdict()
+        if refused is not None:
+            return refused
         if self.terminal is None:
             raise ProviderError(
                 provider=self.provider, status=None, retryable=True,
@@ -381,14 +378,8 @@ class StreamAssembler:
         return response_result(response, provider=self.provider, model=self.model, seen_refusal=seen)
 
 
-def _event_error(payload: dict[str, Any]) -> str:
-    err: dict[str, Any] = v if isinstance(v := payload.get("error"), dict) else payload
-    code, message = err.get("code") or err.get("type"), err.get("message") or "no message"
-    return truncate(f"{code}: {message}" if code and code != "error" else str(message))
-
-
-class OpenAIResponsesAdapter:
-    """The :class:`~activities.providers.base.ProviderAdapter` for the Responses API.
+class ResponsesWire:
+    """The Responses API's :class:`~stopline.activities.providers.base.Wire`.
 
     Args:
         provider: Provider id it reports.
@@ -397,54 +388,43 @@ class OpenAIResponsesAdapter:
     def __init__(self, provider: str = PROVIDER) -> None:
         self.provider = provider
 
-    async def sample(
-        self,
-        client: httpx.AsyncClient,
-        *,
-        base_url: str,
-        api_key: str | None,
-        model: str,
-        system: str,
-        messages: list[Message],
-        tools: list[ToolSpec],
-        max_tokens: int,
-        stream: bool,
-        on_progress: Callable[[], None],
-    ) -> SamplingResult:
-        """Make one Responses call (one try) and return its result.
+    def url(self, base_url: str) -> str:
+        """``{base_url}/responses``."""
+        return responses_url(base_url)
 
-        Args:
-            client: httpx client built by the caller, with retries off.
-            base_url: e.g. ``https://api.openai.com/v1``.
-            api_key: Sent as ``Authorization: Bearer`` when given.
-            model: Model name.
-            system: System prompt (sent as ``instructions``).
-            messages: The conversation.
-            tools: Tools offered.
-            max_tokens: Output token limit (``max_output_tokens``).
-            stream: Use SSE.
-            on_progress: Called on every streamed event.
+    def headers(self, api_key: str | None) -> dict[str, str]:
+        """``Authorization: Bearer`` when there is a key."""
+        return request_headers(api_key)
 
-        Returns:
-            The result; a refusal is a result (``stop_reason == "refusal"``).
+    def build_request(self, request: WireRequest) -> dict[str, Any]:
+        """See :func:`build_request`."""
+        return build_request(request)
 
-        Raises:
-            ProviderError: Classified by :func:`classify_http_error`, or a
-                shape / stream / network error.
-        """
-        provider = self.provider
-        return await send_request(
-            client,
-            provider=provider,
-            url=responses_url(base_url),
-            headers=request_headers(api_key),
-            payload=build_request(
-                model=model, system=system, messages=messages, tools=tools,
-                max_tokens=max_tokens, stream=stream,
-            ),
-            stream=stream,
-            on_progress=on_progress,
-            classify=functools.partial(classify_http_error, provider=provider, model=model),
-            parse_body=lambda body: parse_response(body, provider=provider, model=model),
-            new_assembler=lambda: StreamAssembler(provider=provider, model=model),
-        )
+    def parse_body(self, body: Any, *, model: str) -> SamplingResult:
+        """See :func:`parse_response`."""
+        return parse_response(body, provider=self.provider, model=model)
+
+    def new_stream(self, *, model: str) -> StreamAssembler:
+        """A :class:`StreamAssembler`."""
+        return StreamAssembler(provider=self.provider, model=model)
+
+    def classify_error(self, report: ErrorReport, *, model: str) -> ProviderError | SamplingResult:
+        """See :func:`classify_error`."""
+        return classify_error(report, provider=self.provider, model=model)
+
+    async def preflight(self, client: httpx.AsyncClient, *, base_url: str, request: WireRequest) -> None:
+        """Nothing to check before a Responses call."""
+
+    async def after_cancel(self, client: httpx.AsyncClient, *, base_url: str) -> None:
+        """Nothing to wait for after a cancelled call: closing the connection is enough."""
+
+
+class OpenAIResponsesAdapter(WireAdapter):
+    """The adapter for the Responses API: the shared ``sample()`` over :class:`ResponsesWire`.
+
+    Args:
+        provider: Provider id it reports.
+    """
+
+    def __init__(self, provider: str = PROVIDER) -> None:
+        super().__init__(ResponsesWire(provider))
