@@ -178,6 +178,9 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 return None
             if not sampling.done():
                 sampling.cancel()  # its host is gone; the next host samples again
+                # its requests still count once the abandoned call resolves
+                # (a timeout carries the last heartbeat's request count)
+                asyncio.create_task(self._count_abandoned(sampling))
                 raise HostLost(self._why_host_gone())
             try:
                 result: SamplingResult = sampling.result()
@@ -621,6 +624,19 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         finished = [r.call.id for r in self._inflight_calls if r.settled]
         self._inflight_sampling, self._inflight_calls = None, []
         await self._abort_turn(sampling, running, finished)
+
+    async def _count_abandoned(self, sampling: Any) -> None:
+        """Count the provider requests of a sampling call the task gave up
+        on (its host was lost) when it finally resolves: ``provider_calls``
+        counts every request made, whatever ended it."""
+        try:
+            result = await sampling
+        except ActivityError as err:
+            self._count_failed_attempts(err)
+        except asyncio.CancelledError:
+            pass
+        else:
+            self._n.provider_calls += result.attempt
 
     def _count_failed_attempts(self, err: ActivityError) -> None:
         # Every request, whatever ended the call (timeouts included).
