@@ -39,11 +39,11 @@ from stopline.secrets import make_undumpable
 from stopline.settings import Settings, load_settings
 from stopline.worker.codec import codec_from_settings
 from stopline.worker.runtime import (
+    acquire_embedded,
     build_workers,
     configured_address,
     connect,
-    dev_server,
-    start_dev_server,
+    release_embedded,
 )
 from stopline.worker.telemetry import worker_runtime
 
@@ -94,6 +94,30 @@ async def _retention_loop(client: Client, settings: Settings, log: Any) -> None:
         await asyncio.sleep(every)
 
 
+#: How long a starting worker waits for its Temporal server to answer: the
+#: embedded runtime starts the server and the worker at once, and a compose
+#: stack starts them in any order.
+CONNECT_WAIT_S = 60.0
+
+
+async def _connect_when_up(settings: Settings, address: str | None, runtime: Any, log: Any) -> Client:
+    """Connect, retrying while the server is not up yet (bounded)."""
+    deadline = asyncio.get_running_loop().time() + CONNECT_WAIT_S
+    said = False
+    while True:
+        try:
+            return await connect(settings, address=address, runtime=runtime)
+        except Exception as err:
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(
+                    f"Temporal did not answer within {CONNECT_WAIT_S:g}s: {err}"
+                ) from None
+            if not said:
+                log.info("waiting_for_temporal", address=address or configured_address(settings))
+                said = True
+            await asyncio.sleep(0.2)
+
+
 async def run_worker() -> None:
     """Run the workers until SIGTERM / SIGINT."""
     make_undumpable()
@@ -129,16 +153,18 @@ async def run_worker() -> None:
             consequence="shell calls of tasks without allow_unconfined are refused; "
             "tasks with it run commands unconfined, with a ledger row per call",
         )
-    started_server = False
+    lease = None
     address = configured_address(settings)
     embedded = None
     if not address:
-        was_running = dev_server(settings).pid() is not None
-        address = embedded = start_dev_server(settings)
-        started_server = not was_running
+        # The embedded server, shared: this worker leases it like any
+        # command, and the last lease out stops it (runtime.acquire_embedded).
+        held = await acquire_embedded(settings, with_worker=False)
+        address = embedded = held.address
+        lease = held.lease
     # a configured cluster: TLS, mTLS, API key from envconfig; the embedded
     # server: a plain connection to the address we started
-    client = await connect(settings, address=embedded, runtime=runtime)
+    client = await _connect_when_up(settings, embedded, runtime, log)
     workers = build_workers(client, settings)
     # Everything imported and built so far lives as long as the process:
     # keep it out of the garbage collector's full passes, which otherwise
@@ -164,8 +190,8 @@ async def run_worker() -> None:
     for r in runs:
         if r.done() and r.exception() is not None:
             log.error("worker_failed", error=str(r.exception()))
-    if started_server:
-        dev_server(settings).stop()
+    if lease is not None:
+        await release_embedded(settings, lease)
     log.info("worker_stopped")
 
 
