@@ -23,7 +23,15 @@ from typing import Any
 
 import httpx
 import pytest
+from temporalio import workflow
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
+from temporalio.worker import (
+    HandleUpdateInput,
+    Interceptor,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+)
 
 from stopline.activities.deltas import SamplingDelta, coalesce
 from stopline.activities.ledger import LedgerStore
@@ -229,3 +237,75 @@ async def test_follow_shows_new_events_and_ctrl_c_interrupts_then_detaches(
     rows = LedgerStore(stopline_home / "ledger").read(task_id)
     assert rows[-1].kind == "turn_aborted"
     await client.get_workflow_handle(task_id).cancel(reason="test cleanup")
+
+
+class _FailAPollOnce(Interceptor):
+    """Fail the workflow task that carries a watcher's second stream poll
+    (an Update) once, as a rejected or crashed workflow task would:
+    Temporal retries the task and the workflow goes on."""
+
+    def __init__(self, workflow_id: str, counter: Path) -> None:
+        self.workflow_id, self.counter = workflow_id, counter
+
+    def workflow_interceptor_class(
+        self, input: WorkflowInterceptorClassInput
+    ) -> type[WorkflowInboundInterceptor]:
+        target, counter = self.workflow_id, str(self.counter)
+
+        class Inbound(WorkflowInboundInterceptor):
+            async def handle_update_handler(self, input: HandleUpdateInput) -> Any:
+                if (input.update == "__temporal_workflow_stream_poll"
+                        and workflow.info().workflow_id == target
+                        and not workflow.unsafe.is_replaying()):
+                    with workflow.unsafe.sandbox_unrestricted():
+                        with open(counter, "a") as f:
+                            f.write("poll\n")
+                        with open(counter) as f:
+                            polls = len(f.read().splitlines())
+                    if polls == 2:
+                        raise RuntimeError("this workflow task fails once")
+                return await super().handle_update_handler(input)
+
+        return Inbound
+
+
+async def test_a_watcher_outlives_a_failed_workflow_task(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
+    tmp_path: Path,
+) -> None:
+    """The CLI never reports an error for a task that completed: across a
+    failed workflow task carrying its poll, a watcher sees every event once
+    and the task's end."""
+    from stopline.cli import _follow
+    from stopline.core.contracts import AgentTaskResult, TaskEvent
+    from stopline.settings import load_settings
+    from stopline.worker.runtime import build_workers
+    from tests.conftest import start_task
+
+    task_id = f"task-{uuid.uuid4().hex[:8]}"
+    counter = tmp_path / "polls"
+    workers = build_workers(client, load_settings(), task_queue=task_queue, workflow_options={
+        "interceptors": [_FailAPollOnce(task_id, counter)],
+    })
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    seen: list[TaskEvent] = []
+    try:
+        server = scripted(scenario(
+            "anthropic",
+            {**entry(anthropic_message(tool_calls=[("c1", "list_dir", {})])), "delay_s": 1.0},
+            {**entry(anthropic_message("done")), "delay_s": 1.0},
+        ))
+        handle = await start_task(client, task_queue, server, workspace, task_id=task_id)
+        await asyncio.wait_for(_follow(client, task_id, seen.append), 60)
+        result = await client.get_workflow_handle(task_id, result_type=AgentTaskResult).result()
+    finally:
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        for r in runs:
+            r.cancel()
+    assert result.status == "completed"
+    history = await handle.fetch_history()
+    assert EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED in [e.event_type for e in history.events]
+    kinds = [e.kind for e in seen]
+    assert kinds[-1] == "task_finished" and kinds.count("task_finished") == 1
+    assert kinds.count("assistant_text") == 1 and kinds.count("turn_started") == 2
+    assert len(counter.read_text().splitlines()) > 2  # polls went on after the failed one
