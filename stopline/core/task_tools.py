@@ -63,12 +63,11 @@ class TaskIdArgs(_Args):
 
 
 class TaskMessageArgs(_Args):
-    """``task_message``: send a running sub-task a message.
+    """``task_message``: send a running sub-task a message."""
 
-    ``wait`` (sync): after the message is accepted, wait like ``task_wait``
-    for the task to settle. Sync or async, a refused task is rejected with
-    the same sentence before anything is sent (seed 000 §5).
-    """
+    # ``wait`` (sync): after the message is accepted, wait like ``task_wait``
+    # for the task to settle. Sync or async, a refused task is rejected with
+    # the same sentence before anything is sent (seed 000 §5).
 
     id: str = Field(description="The task id.")
     text: str = Field(min_length=1, description="The message.")
