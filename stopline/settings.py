@@ -161,7 +161,7 @@ class Settings(BaseSettings):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     worker_shutdown_grace_s: float = 10.0
-    stream_deltas_s: float = Field(default=0.2, ge=0)
+    stream_deltas_s: float = Field(default=0.25, ge=0)
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_base_url: str = Field(

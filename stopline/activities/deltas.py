@@ -7,15 +7,18 @@ tool calls' arguments as they form — while it is produced, not when the
 whole message arrives. The provider adapters hand each text or
 tool-argument piece to their ``on_delta`` callback as a
 :class:`SamplingDelta`; :class:`DeltaPublisher` buffers them and, every
-``interval_s`` (default 0.2 s), coalesces what arrived into one
+``interval_s`` (default 0.25 s), coalesces what arrived into one
 ``assistant_delta`` event per text block and one ``tool_args_delta`` per
 forming tool call, published on the task's ``events`` topic through
 ``temporalio.contrib.workflow_streams`` (a Signal to the workflow).
 
 The cost is the reason for batching: every publish is a Signal — a server
-round trip, a few history events, and on Temporal Cloud one billed Action.
-At 0.2 s, a 60 s model call costs at most 300 Signals, whatever the token
-rate, and a call shorter than one interval costs none;
+round trip, a workflow task, and on Temporal Cloud one billed Action — and
+it completes each watcher's pending poll (an Update: one more Action and
+history events per watcher; ``bench/bench_cli.py`` measured about 9 history
+events per publish with one watcher). At 0.25 s, a 60 s model call costs at
+most 240 publishes, whatever the token rate, and a call shorter than one
+interval costs none;
 ``STOPLINE_STREAM_DELTAS_S=0`` turns streaming off (watchers then see each
 message whole).
 
