@@ -26,7 +26,7 @@ from stopline.activities.ledger import LedgerStore
 from stopline.core.contracts import AgentTaskResult, LedgerRow
 from stopline.settings import load_settings
 from stopline.testing.scripted import anthropic_message, entry, scenario
-from stopline.worker.runtime import build_workers
+from stopline.worker.runtime import build_workers, task_result
 from tests.conftest import start_task
 
 
@@ -87,7 +87,7 @@ async def test_subtask_with_a_missing_scenario_fails_with_a_clear_reason(
     ))
     handle = await start_task(client, task_queue, server, workspace, task_id=parent_id)
     assert (await asyncio.wait_for(handle.result(), 60)).status == "completed"
-    child = await client.get_workflow_handle(f"{parent_id}.nofile", result_type=AgentTaskResult).result()
+    child = await task_result(client.get_workflow_handle(f"{parent_id}.nofile", result_type=AgentTaskResult))
     assert child.status == "failed"
     assert f"no scenario file {workspace / 'missing.json'} on this host" in child.reason
 

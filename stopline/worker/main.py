@@ -102,11 +102,15 @@ CONNECT_WAIT_S = 60.0
 
 async def _connect_when_up(settings: Settings, address: str | None, runtime: Any, log: Any) -> Client:
     """Connect, retrying while the server is not up yet (bounded)."""
+    from stopline.core.errors import ConfigError
+
     deadline = asyncio.get_running_loop().time() + CONNECT_WAIT_S
     said = False
     while True:
         try:
             return await connect(settings, address=address, runtime=runtime)
+        except ConfigError:
+            raise  # no address, a malformed profile: waiting will not help
         except Exception as err:
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(
