@@ -134,8 +134,16 @@ def _address(settings: Settings) -> str:
     return f"127.0.0.1:{settings.dev_server_port}"
 
 
-async def _client(settings: Settings, address: str | None = None) -> Any:
-    """A connected client; an unreachable server or a bad key is a UsageError."""
+async def _client(settings: Settings, address: str | None = None, *, embedded: bool = False) -> Any:
+    """A connected client; an unreachable server or a bad key is a UsageError.
+
+    Args:
+        settings: Settings.
+        address: The address to use (default: the configured one, else the
+            embedded server's).
+        embedded: ``address`` is the embedded dev server's, whatever is
+            configured (``down`` and the end of a lease talk to it alone).
+    """
     from stopline.core.errors import ConfigError
     from stopline.worker.codec import CodecKeyError
     from stopline.worker.runtime import connect
@@ -144,7 +152,7 @@ async def _client(settings: Settings, address: str | None = None) -> Any:
     # a configured cluster: its address, TLS, mTLS and API key come from the
     # environment and the temporal CLI's config file (envconfig); the
     # embedded server: a plain connection to it
-    explicit = None if _configured(settings) else target
+    explicit = target if embedded or not _configured(settings) else None
     try:
         return await connect(settings, address=explicit, runtime=_runtime_without_core_logs())
     except (CodecKeyError, ConfigError) as err:
@@ -291,7 +299,7 @@ async def _release(settings: Settings, lease: Any) -> None:
     from stopline.worker import runtime
 
     async def running(address: str) -> int:
-        return await _count_running(await _client(settings, address))
+        return await _count_running(await _client(settings, address, embedded=True))
 
     said = await runtime.release_embedded(settings, lease, still_running=running)
     if said == "pinned":
@@ -812,7 +820,7 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
         stopped: list[str] = []
         late: list[str] = []
         if runtime.dev_server(settings).pid() is not None:
-            client = await _client(settings, f"127.0.0.1:{settings.dev_server_port}")
+            client = await _client(settings, f"127.0.0.1:{settings.dev_server_port}", embedded=True)
             running = await _running_threads(client)
             if running and await _no_worker(client, settings, settings.task_queue):
                 late, running = running, []  # nothing would record their stop now
