@@ -839,9 +839,6 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
                     stopped.append(task_id)
         async with runtime.embedded_lock(settings):
             stopped_worker, stopped_server = runtime.stop_embedded(settings)
-        run_dir = settings.home / "run"
-        for pid_file in sorted(run_dir.glob("scripted-*.pid")) if run_dir.is_dir() else []:
-            runtime.Managed("scripted", pid_file, pid_file.with_suffix(".log")).stop(5.0)
         if stopped:
             console.print(f"stopped {len(stopped)} running task(s) with reason \"{DOWN_REASON}\": "
                           f"{', '.join(stopped)}")
