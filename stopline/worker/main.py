@@ -94,14 +94,14 @@ async def _retention_loop(client: Client, settings: Settings, log: Any) -> None:
         await asyncio.sleep(every)
 
 
-#: How long a starting worker waits for its Temporal server to answer: the
-#: embedded runtime starts the server and the worker at once, and a compose
-#: stack starts them in any order.
+#: How long a starting worker waits for the embedded server to answer: the
+#: embedded runtime starts the server and the worker at once. (A configured
+#: cluster that does not answer is an error at once.)
 CONNECT_WAIT_S = 60.0
 
 
-async def _connect_when_up(settings: Settings, address: str | None, runtime: Any, log: Any) -> Client:
-    """Connect, retrying while the server is not up yet (bounded)."""
+async def _connect_when_up(settings: Settings, address: str, runtime: Any, log: Any) -> Client:
+    """Connect to the embedded server, retrying while it starts (bounded)."""
     from stopline.core.errors import ConfigError
 
     deadline = asyncio.get_running_loop().time() + CONNECT_WAIT_S
@@ -117,7 +117,7 @@ async def _connect_when_up(settings: Settings, address: str | None, runtime: Any
                     f"Temporal did not answer within {CONNECT_WAIT_S:g}s: {err}"
                 ) from None
             if not said:
-                log.info("waiting_for_temporal", address=address or configured_address(settings))
+                log.info("waiting_for_temporal", address=address)
                 said = True
             await asyncio.sleep(0.2)
 
@@ -168,7 +168,10 @@ async def run_worker() -> None:
         lease = held.lease
     # a configured cluster: TLS, mTLS, API key from envconfig; the embedded
     # server: a plain connection to the address we started
-    client = await _connect_when_up(settings, embedded, runtime, log)
+    if embedded is not None:
+        client = await _connect_when_up(settings, embedded, runtime, log)
+    else:
+        client = await connect(settings, runtime=runtime)
     workers = build_workers(client, settings)
     # Everything imported and built so far lives as long as the process:
     # keep it out of the garbage collector's full passes, which otherwise
