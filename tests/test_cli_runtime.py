@@ -123,3 +123,39 @@ def test_up_pins_the_server_and_runs_lease_it(cli_env: dict[str, str], tmp_path:
         down = _stopline(cli_env, "down")
     assert down.returncode == 0, down.stderr
     _nothing_left(cli_env)
+
+
+async def test_a_worker_started_with_the_server_waits_for_it(tmp_path: Path) -> None:
+    """The embedded runtime starts the worker while the server starts: a
+    worker whose server does not answer yet waits for it (bounded) instead
+    of exiting, even when it is the faster of the two."""
+    import asyncio
+
+    from stopline.settings import load_settings
+    from stopline.worker import runtime
+
+    settings = load_settings(home=tmp_path / "home", dev_server_port=free_port(), dev_server_ui_port=free_port())
+    os.environ.pop("TEMPORAL_ADDRESS", None)
+    address = f"127.0.0.1:{settings.dev_server_port}"
+    worker = runtime.background_worker(settings)
+    server = runtime.dev_server(settings)
+    try:
+        saved = os.environ.get("STOPLINE_HOME")
+        os.environ["STOPLINE_HOME"] = str(settings.home)
+        try:
+            runtime.start_background_worker(settings, address)  # nothing answers there yet
+        finally:
+            if saved is None:
+                os.environ.pop("STOPLINE_HOME", None)
+            else:
+                os.environ["STOPLINE_HOME"] = saved
+        await asyncio.sleep(3.0)
+        assert worker.pid() is not None, worker.log_file.read_text()
+        runtime.start_dev_server(settings)
+        await runtime.wait_frontend_ready(settings, address, managed=server)
+        await runtime.wait_worker_ready(settings, address)
+        assert "waiting_for_temporal" in worker.log_file.read_text()
+    finally:
+        worker.stop()
+        server.stop()
+    assert worker.pid() is None and server.pid() is None

@@ -95,16 +95,21 @@ async def _retention_loop(client: Client, settings: Settings, log: Any) -> None:
 
 
 #: How long a starting worker waits for the embedded server to answer: the
-#: embedded runtime starts the server and the worker at once. (A configured
-#: cluster that does not answer is an error at once.)
+#: embedded runtime starts the server and the worker at once.
 CONNECT_WAIT_S = 60.0
+#: Set by the embedded runtime for the background worker it starts together
+#: with the server (``stopline.worker.runtime.start_background_worker``):
+#: seconds to wait for the server to answer.
+CONNECT_WAIT_ENV = "STOPLINE_CONNECT_WAIT_S"
 
 
-async def _connect_when_up(settings: Settings, address: str, runtime: Any, log: Any) -> Client:
-    """Connect to the embedded server, retrying while it starts (bounded)."""
+async def _connect_when_up(
+    settings: Settings, address: str | None, runtime: Any, log: Any, wait_s: float
+) -> Client:
+    """Connect, retrying for up to ``wait_s`` while the server is starting."""
     from stopline.core.errors import ConfigError
 
-    deadline = asyncio.get_running_loop().time() + CONNECT_WAIT_S
+    deadline = asyncio.get_running_loop().time() + wait_s
     said = False
     while True:
         try:
@@ -112,12 +117,12 @@ async def _connect_when_up(settings: Settings, address: str, runtime: Any, log: 
         except ConfigError:
             raise  # no address, a malformed profile: waiting will not help
         except Exception as err:
-            if asyncio.get_running_loop().time() > deadline:
-                raise RuntimeError(
-                    f"Temporal did not answer within {CONNECT_WAIT_S:g}s: {err}"
-                ) from None
+            if asyncio.get_running_loop().time() >= deadline:
+                if wait_s <= 0:
+                    raise
+                raise RuntimeError(f"Temporal did not answer within {wait_s:g}s: {err}") from None
             if not said:
-                log.info("waiting_for_temporal", address=address)
+                log.info("waiting_for_temporal", address=address or configured_address(settings))
                 said = True
             await asyncio.sleep(0.2)
 
@@ -168,10 +173,11 @@ async def run_worker() -> None:
         lease = held.lease
     # a configured cluster: TLS, mTLS, API key from envconfig; the embedded
     # server: a plain connection to the address we started
-    if embedded is not None:
-        client = await _connect_when_up(settings, embedded, runtime, log)
-    else:
-        client = await connect(settings, runtime=runtime)
+    # The embedded server may still be starting (this worker's lease, or the
+    # CLI started us together with it and said so): wait for it, bounded. A
+    # configured cluster that does not answer is an error at once.
+    wait_s = CONNECT_WAIT_S if embedded is not None else float(os.environ.pop(CONNECT_WAIT_ENV, "0") or 0)
+    client = await _connect_when_up(settings, embedded, runtime, log, wait_s)
     workers = build_workers(client, settings)
     # Everything imported and built so far lives as long as the process:
     # keep it out of the garbage collector's full passes, which otherwise

@@ -539,6 +539,8 @@ def start_background_worker(settings: Settings, address: str) -> int:
     env["TEMPORAL_ADDRESS"] = address
     env["STOPLINE_HOME"] = str(settings.home)
     env["STOPLINE_TASK_QUEUE"] = settings.task_queue
+    # it may start before the server answers (they start together)
+    env["STOPLINE_CONNECT_WAIT_S"] = "60"
     secrets = {k: os.environ[k] for k in SECRET_ENV_NAMES if os.environ.get(k)}
     return _spawn(managed, [sys.executable, "-m", "stopline.worker.main"], env=env, secrets=secrets)
 
