@@ -742,10 +742,9 @@ async def wait_worker_ready(settings: Settings, address: str, *, wait_s: float =
         EmbeddedServerError: The background worker exited (its log's last
             line is quoted) or did not poll within ``wait_s``.
     """
-    from stopline.activities.host import describe_hosts, host_id_for
+    from stopline.activities.host import describe_hosts
 
     managed = background_worker(settings)
-    host_id = host_id_for(settings.home)
     client = await Client.connect(address, namespace=settings.temporal_namespace)
     deadline = time.monotonic() + wait_s
     while True:
@@ -755,7 +754,10 @@ async def wait_worker_ready(settings: Settings, address: str, *, wait_s: float =
                 f"(log: {managed.log_file})"
             )
         try:
-            hosts = await describe_hosts(client, settings.task_queue, max_age_s=60)
+            # the worker may be writing its home's host id right now: read
+            # it only once it is whole (never create it from here)
+            host_id = _written_host_id(settings.home)
+            hosts = await describe_hosts(client, settings.task_queue, max_age_s=60) if host_id else []
             if any(h.host_id == host_id for h in hosts):
                 return
         except Exception:  # the server is ready (checked before); a blip: retry
@@ -766,6 +768,14 @@ async def wait_worker_ready(settings: Settings, address: str, *, wait_s: float =
                 f"{wait_s:g}s; see {managed.log_file}"
             )
         await asyncio.sleep(0.1)
+
+
+def _written_host_id(home: Path) -> str | None:
+    """The host id in ``home/host.json`` once its worker has written it whole."""
+    try:
+        return str(json.loads((home / "host.json").read_text())["host_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _last_line(path: Path) -> str:
