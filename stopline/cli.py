@@ -2,20 +2,24 @@
 
 Commands: ``up`` / ``down`` (embedded dev server + worker in the
 background), ``run`` (start a task and follow it; ``--detach`` is
-``task_start``), ``status`` (``task_status``), ``message``
-(``task_message``), ``wait`` (``task_wait``), ``stop`` (``task_stop``),
-``interrupt``, ``chat``, ``transcript``, ``list``, ``demo``,
-``scripted-server``, ``worker``, ``history export``, ``replay``,
-``search-attributes register``, ``gc``.
+``task_start``), ``follow`` (re-attach to a task's events), ``status``
+(``task_status``), ``message`` (``task_message``), ``wait`` (``task_wait``),
+``stop`` (``task_stop``), ``interrupt``, ``chat``, ``transcript``, ``list``,
+``hosts``, ``move``, ``demo``, ``scripted-server``, ``worker``, ``history
+export``, ``replay``, ``search-attributes register``, ``gc``.
 
-``run`` without ``up`` starts what it needs (dev server, worker, a scripted
-server for ``--model scripted:FILE``) and stops what it started when the task
-ends; with ``--detach`` they keep running until ``stopline down`` (the
-scripted server exits by itself once the task is closed). Everything is
-stopped by its own PID, never by name.
+Without a configured Temporal address (``TEMPORAL_ADDRESS``, or a profile
+in the ``temporal`` CLI's config file), ``run`` / ``chat`` / ``demo`` share one
+embedded dev server and this home's one worker: each holds a lease on them
+while it runs and the last one out stops them, unless ``up``, a detached
+run or a chat thread pinned them (``stopline.worker.runtime``). Everything
+is stopped by its own PID, never by name.
 
-Exit codes of ``run`` / ``demo``: 0 completed, 1 failed, 3 stopped, 2 usage
-or set-up error, 130 detached by a second Ctrl-C.
+What a person reads is true: an error is one line naming what is wrong
+(no worker, no key to decode, server unreachable, no worker for this task's
+queue) and the exit code says the same. Exit codes: 0 completed, 1 failed,
+3 stopped, 2 usage or set-up error, 4 ``wait`` timed out, 130 detached by a
+second Ctrl-C, 141 output pipe closed (``stopline list | head``).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -39,9 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
+from rich.text import Text
 
 from stopline.core.contracts import (
     AGENT_TASK_WORKFLOW,
+    CHAT_THREAD_WORKFLOW,
     EVENTS_TOPIC,
     AgentTaskInput,
     AgentTaskResult,
@@ -50,14 +58,35 @@ from stopline.core.contracts import (
     TaskEvent,
     TaskLimits,
     TaskStatus,
+    pool_task_queue,
 )
 from stopline.core.errors import StoplineError
 from stopline.settings import Settings, load_settings
 
-console = Console(highlight=False, soft_wrap=True)
+class _Console(Console):
+    """rich's console, but a closed stdout pipe is a ``BrokenPipeError`` for
+    :func:`main` to answer (quietly, exit 141), not rich's own exit 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        _silence_stdout()
+        raise BrokenPipeError
+
+
+console = _Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 EXIT_CODES = {"completed": 0, "failed": 1, "stopped": 3}
+#: Exit code when stdout's reader went away (128 + SIGPIPE), as for `ls | head`.
+EXIT_PIPE = 141
+#: Pollers seen within this many seconds count as live workers. An idle
+#: worker's long poll lasts up to ~70 s before it polls again.
+POLLER_MAX_AGE_S = 90.0
+#: How long a Query may take before the CLI says the worker did not answer.
+QUERY_TIMEOUT = timedelta(seconds=10)
+#: The cancel reasons the CLI sends (recorded in the task's result).
+STOP_REASON = "`stopline stop`"
+DOWN_REASON = "`stopline down` shut the embedded Temporal server down"
 
 
 class UsageError(StoplineError):
@@ -65,15 +94,188 @@ class UsageError(StoplineError):
 
 
 # ---------------------------------------------------------------------------
-# Runtime: what a command needs running, and stopping what it started.
+# Connecting, and saying truly why something does not answer.
+# ---------------------------------------------------------------------------
+
+_quiet_runtime: Any = None
+
+
+def _runtime_without_core_logs() -> Any:
+    """One Temporal runtime for the CLI, without the core's log lines: a
+    connection problem is reported once, as one line, not as Rust retry
+    warnings."""
+    global _quiet_runtime
+    if _quiet_runtime is None:
+        from temporalio.runtime import Runtime, TelemetryConfig
+
+        _quiet_runtime = Runtime(telemetry=TelemetryConfig(logging=None))
+    return _quiet_runtime
+
+
+def _configured(settings: Settings) -> str | None:
+    """The configured Temporal address (``TEMPORAL_ADDRESS`` or the temporal
+    CLI's config profile); ``None``: the embedded server is used."""
+    from stopline.worker.runtime import configured_address
+
+    return configured_address(settings)
+
+
+def _address(settings: Settings) -> str:
+    configured = _configured(settings)
+    if configured:
+        return configured
+    from stopline.worker.runtime import dev_server
+
+    if dev_server(settings).pid() is None:
+        raise UsageError(
+            "no Temporal server: the embedded one is not running (`stopline up` starts it) "
+            "and TEMPORAL_ADDRESS is unset"
+        )
+    return f"127.0.0.1:{settings.dev_server_port}"
+
+
+async def _client(settings: Settings, address: str | None = None, *, embedded: bool = False) -> Any:
+    """A connected client; an unreachable server or a bad key is a UsageError.
+
+    Args:
+        settings: Settings.
+        address: The address to use (default: the configured one, else the
+            embedded server's).
+        embedded: ``address`` is the embedded dev server's, whatever is
+            configured (``down`` and the end of a lease talk to it alone).
+    """
+    from stopline.core.errors import ConfigError
+    from stopline.worker.codec import CodecKeyError
+    from stopline.worker.runtime import connect
+
+    target = address or _address(settings)
+    # a configured cluster: its address, TLS, mTLS and API key come from the
+    # environment and the temporal CLI's config file (envconfig); the
+    # embedded server: a plain connection to it
+    explicit = target if embedded or not _configured(settings) else None
+    try:
+        return await connect(settings, address=explicit, runtime=_runtime_without_core_logs())
+    except (CodecKeyError, ConfigError) as err:
+        raise UsageError(str(err)) from None
+    except Exception as err:  # the connect error of the core: one line is enough
+        raise UsageError(f"cannot reach the Temporal server at {target}: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(getattr(err, "message", None) or err) or type(err).__name__
+    return text.strip().splitlines()[0]
+
+
+def _decode_problem(err: BaseException) -> str | None:
+    """Why a payload could not be decoded, when that is what ``err`` is.
+
+    Encrypted payloads without the key (or with another key) surface as a
+    converter error somewhere in the exception's chain.
+    """
+    from stopline.worker.codec import ENCODING, CodecKeyError
+
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CodecKeyError):
+            return (
+                f"cannot decode the task's payloads ({_first_line(e)}): set STOPLINE_CODEC_KEY "
+                f"(and STOPLINE_CODEC_PREVIOUS_KEYS) to the keys its workers use"
+            )
+        if ENCODING.decode() in str(e):
+            return (
+                "cannot decode the task's payloads: they are encrypted and this command has no "
+                "key; set STOPLINE_CODEC_KEY to the key its workers use"
+            )
+        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    return None
+
+
+async def _recent_pollers(client: Any, queue: str, *, activity: bool = False) -> int:
+    """How many workers polled ``queue`` recently (workflow or activity pollers)."""
+    from datetime import datetime, timezone
+
+    from temporalio.api.enums.v1 import TaskQueueType
+    from temporalio.api.taskqueue.v1 import TaskQueue
+    from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+
+    kind = TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY if activity else TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW
+    resp = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(namespace=client.namespace, task_queue=TaskQueue(name=queue),
+                                 task_queue_type=kind)
+    )
+    now = datetime.now(timezone.utc)
+    return sum(
+        1 for p in resp.pollers
+        if (now - p.last_access_time.ToDatetime(tzinfo=timezone.utc)).total_seconds() < POLLER_MAX_AGE_S
+    )
+
+
+async def _no_worker(client: Any, settings: Settings, task_queue: str) -> str | None:
+    """Why nothing will answer for a task on ``task_queue``, or ``None``.
+
+    Distinguishes no worker at all from workers that poll another queue
+    than this task's.
+    """
+    if await _recent_pollers(client, task_queue):
+        return None
+    configured = _configured(settings)
+    start = "`stopline up`" if not configured else f"`stopline-worker` with TEMPORAL_ADDRESS={configured}"
+    if task_queue != settings.task_queue and await _recent_pollers(client, settings.task_queue):
+        return (
+            f"no worker polls this task's queue {task_queue} (workers poll {settings.task_queue}); "
+            f"start one with STOPLINE_TASK_QUEUE={task_queue}"
+        )
+    return f"no worker is running: nothing polls task queue {task_queue} (start one: {start})"
+
+
+async def _describe(handle: Any) -> Any:
+    """``describe()``; an unknown id is a UsageError."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        return await handle.describe()
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            raise UsageError(f"no task {handle.id}") from None
+        raise
+
+
+async def _query_status(client: Any, settings: Settings, handle: Any, desc: Any) -> TaskStatus:
+    """The ``status`` Query, or a UsageError saying truly why there is none."""
+    from temporalio.service import RPCError
+
+    problem = await _no_worker(client, settings, desc.task_queue)
+    if problem is not None:
+        raise UsageError(f"{problem}; the status of {handle.id} is answered by a worker")
+    try:
+        return await handle.query("status", result_type=TaskStatus, rpc_timeout=QUERY_TIMEOUT)
+    except Exception as err:
+        decode = _decode_problem(err)
+        if decode is not None:
+            raise UsageError(decode) from None
+        if isinstance(err, RPCError):
+            raise UsageError(f"the worker did not answer the status query of {handle.id}: "
+                             f"{_first_line(err)}") from None
+        raise
+
+
+# ---------------------------------------------------------------------------
+# The embedded server: leased while a command needs it.
 # ---------------------------------------------------------------------------
 
 
-async def _runtime(settings: Settings, stack: AsyncExitStack, *, keep: bool) -> str:
-    """Ensure a Temporal server and a worker; register cleanup of what we start.
+async def _runtime(settings: Settings, stack: AsyncExitStack, *, pin: str | None = None) -> str:
+    """Ensure a Temporal server and this home's worker for the command.
 
-    With ``TEMPORAL_ADDRESS`` set, nothing is started (a worker must be
-    running there: ``python worker.py``).
+    With ``TEMPORAL_ADDRESS`` set, nothing is started (workers run there).
+    Otherwise the embedded server and worker are leased (started when
+    missing) and released when the command ends; ``pin`` keeps them running
+    after it (a detached task, a chat thread) until ``stopline down``.
 
     Returns:
         The Temporal address.
@@ -83,74 +285,75 @@ async def _runtime(settings: Settings, stack: AsyncExitStack, *, keep: bool) -> 
     configured = runtime.configured_address(settings)
     if configured:
         return configured
-    server = runtime.dev_server(settings)
-    worker = runtime.background_worker(settings)
-    server_running = server.pid() is not None
-    address = runtime.start_dev_server(settings)
-    if not server_running and not keep:
-        stack.callback(server.stop)
-    if worker.pid() is None:
-        runtime.start_background_worker(settings, address)
-        if not keep:
-            stack.callback(worker.stop)
-    return address
+    try:
+        emb = await runtime.acquire_embedded(settings)
+    except runtime.EmbeddedServerError as err:
+        raise UsageError(str(err)) from None
+    stack.push_async_callback(_release, settings, emb.lease)
+    if pin:
+        runtime.pin_embedded(settings, pin)
+    return emb.address
 
 
-def _start_scripted(
-    settings: Settings, scenario_path: Path, task_id: str, address: str, stack: AsyncExitStack
-) -> tuple[str, str]:
-    """Start a scripted server for one task; it exits when the task closes.
+async def _release(settings: Settings, lease: Any) -> None:
+    from stopline.worker import runtime
 
-    Returns:
-        ``(model_ref, base_url)`` for the task input.
-    """
-    from stopline.activities.providers.registry import WIRE_TO_PROVIDER
-    from stopline.secrets import service_env
-    from stopline.testing.scripted import load_scenario
-    from stopline.worker.runtime import Managed
+    async def running(address: str) -> int:
+        return await _count_running(await _client(settings, address, embedded=True))
 
-    scenario = load_scenario(scenario_path)
-    run_dir = settings.home / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ready = run_dir / f"scripted-{task_id}.port"
-    ready.unlink(missing_ok=True)
-    managed = Managed("scripted", run_dir / f"scripted-{task_id}.pid", run_dir / f"scripted-{task_id}.log")
-    with managed.log_file.open("ab") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "stopline.cli", "scripted-server",
-                "--scenario", str(scenario_path), "--port", "0",
-                "--ready-file", str(ready), "--exit-when-task-done", task_id,
-                "--temporal-address", address,
-            ],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=service_env(),  # it needs no key
+    said = await runtime.release_embedded(settings, lease, still_running=running)
+    if said == "pinned":
+        err_console.print(
+            "[yellow]tasks still run on the embedded server: it and the worker keep running "
+            "(`stopline list` shows them; `stopline down` stops them)[/yellow]"
         )
-    managed.pid_file.write_text(str(proc.pid))
-    stack.callback(managed.stop, 5.0)
-    import time
-
-    deadline = time.monotonic() + 20
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise UsageError(f"scripted server did not start; see {managed.log_file}")
-        time.sleep(0.05)
-    port = int(ready.read_text().strip())
-    ready.unlink(missing_ok=True)
-    return f"{WIRE_TO_PROVIDER[scenario['wire']]}:scripted", f"http://127.0.0.1:{port}"
 
 
-def _check_model(model: str, settings: Settings) -> None:
+async def _running_threads(client: Any) -> list[str]:
+    """Ids of tasks and chat threads whose workflow is running (checked one
+    by one: visibility may lag behind a workflow that just closed)."""
+    from temporalio.client import WorkflowExecutionStatus
+
+    query = (f"WorkflowType IN ('{AGENT_TASK_WORKFLOW}', '{CHAT_THREAD_WORKFLOW}') "
+             f"AND ExecutionStatus = 'Running'")
+    ids = []
+    async for wf in client.list_workflows(query):
+        desc = await client.get_workflow_handle(wf.id).describe()
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            ids.append(wf.id)
+    return ids
+
+
+async def _count_running(client: Any) -> int:
+    return len(await _running_threads(client))
+
+
+def _check_model(model: str, settings: Settings) -> str:
     """Reject a malformed model ref before a task starts; warn on a missing key.
 
-    The key is read by the worker from its own environment, so a missing key
-    here is only a warning (the worker may have it).
+    A ``scripted:FILE`` ref is returned with FILE made absolute: the host
+    serves the scenario (``stopline.activities.scripted_models``). The key
+    is read by the worker from its own environment, so a missing key here
+    is only a warning (the worker may have it).
+
+    Returns:
+        The model ref the task is started with.
     """
     if model.startswith("scripted:"):
-        path = Path(model.split(":", 1)[1])
-        if not path.is_file():
+        from stopline.testing.scripted import load_scenario
+
+        path = Path(model.split(":", 1)[1]).expanduser().resolve()
+        if path.is_file():
+            try:
+                load_scenario(path)
+            except ValueError as err:
+                raise UsageError(str(err)) from None
+        elif not _configured(settings):
             raise UsageError(f"scenario file {path} does not exist")
-        return
+        else:
+            err_console.print(f"[yellow]warning: {path} is not here; the host that runs the task "
+                              f"must have it[/yellow]")
+        return f"scripted:{path}"
     from stopline.activities.providers.registry import parse_model_ref
 
     try:
@@ -158,144 +361,231 @@ def _check_model(model: str, settings: Settings) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     key = settings.anthropic_api_key if provider == "anthropic" else settings.openai_api_key
-    if key is None and provider != "openai-compat" and not settings.temporal_address:
+    if key is None and provider != "openai-compat" and not _configured(settings):
         name = "ANTHROPIC_API_KEY" if provider == "anthropic" else "OPENAI_API_KEY"
         err_console.print(
             f"[yellow]warning: {name} is not set; the worker will get 401s or network "
             f"errors (retried by Temporal, then the task fails)[/yellow]"
         )
-
-
-async def _client(settings: Settings, address: str | None = None) -> Any:
-    from stopline.worker.runtime import configured_address, connect
-
-    if configured_address(settings):
-        # a configured cluster: its address, TLS, mTLS and API key come from
-        # the environment and the temporal CLI's config file (envconfig)
-        return await connect(settings)
-    return await connect(settings, address=address or _address(settings))
-
-
-def _address(settings: Settings) -> str:
-    from stopline.worker.runtime import dev_server
-
-    if dev_server(settings).pid() is None:
-        raise UsageError("no Temporal server: run `stopline up` or set TEMPORAL_ADDRESS")
-    return f"127.0.0.1:{settings.dev_server_port}"
+    return model
 
 
 # ---------------------------------------------------------------------------
-# Following a task.
+# Following a task: its workflow stream, rendered.
 # ---------------------------------------------------------------------------
 
 
-def _print_event(ev: TaskEvent) -> None:
-    if ev.kind == "turn_started":
-        console.print(f"[dim]── round {ev.round}[/dim]")
-    elif ev.kind == "assistant_text":
-        console.print(f"[bold]assistant:[/bold] {ev.text}")
-    elif ev.kind == "tool_call_started":
-        console.print(f"  [cyan]▶ {ev.tool_name}[/cyan] [dim]{ev.call_id}[/dim]")
-    elif ev.kind == "tool_call_finished":
-        first = ev.text.splitlines()[0] if ev.text else ""
-        if first.startswith("aborted"):
-            mark = "[yellow]⊘[/yellow]"
+_SHELL_FAILED = re.compile(r"^(exit code (?!0\b)\d+|killed by signal|timed out)")
+
+
+def tool_mark(tool_name: str | None, ok: bool | None, first_line: str) -> str:
+    """``✓`` / ``✗`` / ``⊘`` for a finished tool call, as a person reads it.
+
+    ``ok`` stays the handler's verdict (the ledger keeps it: a command that
+    ran and exited 2 is ``ok=True``, DESIGN §2), but a person watching wants
+    a failing command shown as failed: a ``shell`` call that exited
+    non-zero, was killed or timed out is ``✗``.
+    """
+    if first_line.startswith("aborted"):
+        return "⊘"
+    if not ok:
+        return "✗"
+    if tool_name == "shell" and _SHELL_FAILED.match(first_line):
+        return "✗"
+    return "✓"
+
+
+class EventRenderer:
+    """Prints a task's events; streams assistant text while it is generated.
+
+    On a terminal, the text and tool arguments a model is producing
+    (``assistant_delta`` / ``tool_args_delta``) are drawn in a ``rich``
+    live region that the whole message replaces when it arrives. Elsewhere
+    (a pipe, a file) the text is written as it comes, and finished with a
+    newline. Deltas of a round whose message already arrived, or of an
+    earlier sampling attempt, are dropped.
+
+    Args:
+        out: The console to print to.
+        as_json: Print each event as one JSON line instead.
+    """
+
+    def __init__(self, out: Console, *, as_json: bool = False) -> None:
+        self.out = out
+        self.as_json = as_json
+        self.live_mode = out.is_terminal and not as_json
+        self.renders = 0
+        self.last_assistant_text: str | None = None
+        self._live: Live | None = None
+        self._key: tuple[int, int] | None = None  # (round, attempt) of the partial text
+        self._partial = ""
+        self._args: dict[str, tuple[str, str]] = {}  # call id -> (tool, arguments so far)
+        self._done_rounds: set[int] = set()
+        self._raw_open = False
+
+    def __call__(self, ev: TaskEvent) -> None:
+        if self.as_json:
+            print(ev.model_dump_json(exclude_none=True), flush=True)
+            return
+        if ev.kind in ("assistant_delta", "tool_args_delta"):
+            self._delta(ev)
+            return
+        shown = self._end_partial(ev.text if ev.kind == "assistant_text" else None)
+        self._print(ev, shown)
+
+    # -- deltas
+    def _delta(self, ev: TaskEvent) -> None:
+        if ev.round in self._done_rounds:
+            return  # its message already arrived whole
+        key = (ev.round, ev.attempt)
+        if key != self._key:
+            if self._key is not None and self._key[0] == ev.round and ev.attempt < self._key[1]:
+                return  # a late delta of an earlier attempt
+            self._end_partial(None)  # a retried call streams again from its start
+            self._key = key
+        if ev.kind == "assistant_delta":
+            self._partial += ev.text
+            if not self.live_mode:
+                if not self._raw_open:
+                    self.out.file.write("assistant: ")
+                    self._raw_open = True
+                self.out.file.write(ev.text)
+                self.out.file.flush()
         else:
-            mark = "[green]✓[/green]" if ev.ok else "[red]✗[/red]"
-        console.print(f"  {mark} {ev.tool_name}: [dim]{first[:120]}[/dim]")
-    elif ev.kind == "turn_aborted":
-        console.print("[yellow]turn aborted by user[/yellow]")
-    elif ev.kind == "task_finished":
-        console.print(f"[bold]task finished:[/bold] {ev.text}")
+            name, so_far = self._args.get(ev.call_id or "", (ev.tool_name or "tool", ""))
+            self._args[ev.call_id or ""] = (ev.tool_name or name, so_far + ev.text)
+        self.renders += 1
+        if self.live_mode:
+            if self._live is None:
+                self._live = Live(console=self.out, refresh_per_second=12, transient=True)
+                self._live.start()
+            self._live.update(self._live_view())
+
+    def _live_view(self) -> Text:
+        view = Text()
+        if self._partial:
+            view.append("assistant: ", style="bold")
+            view.append(self._partial)
+        for name, args in self._args.values():
+            view.append(f"\n  ▶ {name} ", style="cyan")
+            view.append(args[-300:], style="dim")
+        view.append(" ▌", style="dim")
+        return view
+
+    def _end_partial(self, final_text: str | None) -> bool:
+        """Close the live region or the streamed line.
+
+        Returns:
+            ``True`` when ``final_text`` is now on screen whole (the streamed
+            line was its beginning, and the rest was written).
+        """
+        shown = False
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        if self._raw_open:
+            if final_text is not None and final_text.startswith(self._partial):
+                self.out.file.write(final_text[len(self._partial):])
+                shown = True
+            self.out.file.write("\n")
+            self.out.file.flush()
+            self._raw_open = False
+        self._key, self._partial, self._args = None, "", {}
+        return shown
+
+    # -- whole events
+    def _print(self, ev: TaskEvent, shown: bool) -> None:
+        c = self.out
+        if ev.kind == "turn_started":
+            c.print(f"[dim]── round {ev.round}[/dim]")
+        elif ev.kind == "assistant_text":
+            self._done_rounds.add(ev.round)
+            self.last_assistant_text = ev.text
+            if not shown:
+                c.print("[bold]assistant:[/bold] " + escape(ev.text))
+        elif ev.kind == "tool_call_started":
+            self._done_rounds.add(ev.round)
+            c.print(f"  [cyan]▶ {escape(ev.tool_name or '?')}[/cyan] [dim]{escape(ev.call_id or '')}[/dim]")
+        elif ev.kind == "tool_call_finished":
+            first = ev.text.splitlines()[0] if ev.text else ""
+            mark = tool_mark(ev.tool_name, ev.ok, first)
+            color = {"✓": "green", "✗": "red", "⊘": "yellow"}[mark]
+            c.print(f"  [{color}]{mark}[/{color}] {escape(ev.tool_name or '?')}: [dim]{escape(first[:120])}[/dim]")
+        elif ev.kind == "turn_aborted":
+            self._done_rounds.add(ev.round)
+            c.print("[yellow]turn aborted by user[/yellow]")
+        elif ev.kind == "task_finished":
+            c.print(f"[bold]finished:[/bold] {escape(ev.text)}")
+        elif ev.kind == "turn_finished":
+            c.print(f"[dim]turn finished: {escape(ev.text)}[/dim]")
+        elif ev.kind in ("host_claimed", "host_lost", "refusal", "notification", "fallback",
+                         "task_result", "task_wait_done"):
+            label = ev.kind.replace("_", " ")
+            style = "yellow" if ev.kind in ("host_lost", "refusal", "notification") else "dim"
+            c.print(f"[{style}]{label}: {escape(ev.text)}[/{style}]")
+
+    def close(self) -> None:
+        """Stop a live region left open (the watcher is going away)."""
+        self._end_partial(None)
 
 
-async def _follow(client: Any, task_id: str, on_event: Callable[[TaskEvent], None]) -> None:
-    """Print a task's events until ``task_finished``."""
+async def _follow(
+    client: Any,
+    task_id: str,
+    on_event: Callable[[TaskEvent], None],
+    *,
+    from_offset: int = 0,
+    until: Callable[[TaskEvent], bool] = lambda ev: ev.kind == "task_finished",
+) -> None:
+    """Feed a task's events to ``on_event`` from ``from_offset`` until ``until``.
+
+    A poll that fails for a reason that passes — the workflow task it rode
+    on failed and was retried, a server blip — is resumed from the last
+    event seen (so every event is shown once); one that cannot be decoded
+    is a UsageError. A finished task's stream is read through a Query and
+    ends with its last event.
+    """
+    from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError
     from temporalio.contrib.workflow_streams import WorkflowStreamClient
+    from temporalio.service import RPCError
 
     stream = WorkflowStreamClient.create(client, task_id)
-    topic = stream.topic(EVENTS_TOPIC, type=TaskEvent)
-    async for item in topic.subscribe(poll_cooldown=timedelta(milliseconds=50)):
-        on_event(item.data)
-        if item.data.kind == "task_finished":
-            return
+    offset = from_offset
+    failures = 0
+    while True:
+        try:
+            async for item in stream.subscribe(
+                [EVENTS_TOPIC], from_offset=offset, result_type=TaskEvent,
+                poll_cooldown=timedelta(milliseconds=50),
+            ):
+                offset, failures = item.offset + 1, 0
+                on_event(item.data)
+                if until(item.data):
+                    return
+            return  # a closed run's stream, drained
+        except (RPCError, WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
+            decode = _decode_problem(err)
+            if decode is not None:
+                raise UsageError(decode) from None
+            failures += 1
+            if failures > 20:
+                raise
+            await asyncio.sleep(min(0.1 * failures, 1.0))
+        except Exception as err:
+            decode = _decode_problem(err)
+            if decode is not None:
+                raise UsageError(decode) from None
+            raise
 
 
-def _print_result(result: AgentTaskResult, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(result.model_dump(include={
-            "task_id", "status", "refused", "reason", "rounds", "provider_calls"
-        })))
-    else:
-        color = {"completed": "green", "failed": "red", "stopped": "yellow"}[result.status]
-        console.print(
-            f"[{color}]{result.status}[/{color}] {result.task_id}: {result.reason} "
-            f"(rounds {result.rounds}, provider calls {result.provider_calls})"
-        )
+async def _follow_with_interrupts(
+    client: Any, handle: Any, on_event: Callable[[TaskEvent], None], *, from_offset: int = 0
+) -> str:
+    """Follow events; the first Ctrl-C interrupts the turn, the second detaches.
 
-
-async def _run_task(
-    settings: Settings,
-    *,
-    prompt: str,
-    model: str,
-    workspace: Path,
-    limits: TaskLimits,
-    detach: bool,
-    as_json: bool,
-    quiet_events: bool = False,
-    task_id: str | None = None,
-    host: str | None = None,
-) -> int:
-    task_id = task_id or f"task-{uuid.uuid4().hex[:12]}"
-    # The workspace lives on the host that runs the tools; that host checks
-    # it when it claims the task. Only with the embedded server (this
-    # machine is the host) is a missing directory known here, early.
-    if not settings.temporal_address and not workspace.is_dir():
-        raise UsageError(f"workspace {workspace} is not a directory")
-    _check_model(model, settings)
-    async with AsyncExitStack() as stack:
-        address = await _runtime(settings, stack, keep=detach)
-        base_url = None
-        if model.startswith("scripted:"):
-            model, base_url = _start_scripted(
-                settings, Path(model.split(":", 1)[1]).resolve(), task_id, address, stack
-            )
-            if detach:
-                stack.pop_all()  # the scripted server exits by itself when the task closes
-        client = await _client(settings, address)
-        handle = await client.start_workflow(
-            AGENT_TASK_WORKFLOW,
-            AgentTaskInput(
-                prompt=prompt, model=model, workspace=str(workspace.resolve()),
-                limits=limits, base_url=base_url, host=host,
-            ),
-            id=task_id,
-            task_queue=settings.task_queue,
-            result_type=AgentTaskResult,
-        )
-        if detach:
-            if as_json:
-                print(json.dumps({"task_id": task_id, "status": "running"}))
-            else:
-                console.print(f"started {task_id} (detached); follow with `stopline status {task_id}`")
-            return 0
-        if not as_json:
-            console.print(f"task [bold]{task_id}[/bold] on {address}")
-        outcome = await _follow_with_interrupts(client, handle, task_id, quiet_events or as_json)
-        if outcome == "detached":
-            console.print(f"detached; {task_id} keeps waiting. `stopline message {task_id} TEXT` continues it.")
-            stack.pop_all()
-            return 130
-        from stopline.worker.runtime import task_result
-
-        result = await task_result(handle)
-        _print_result(result, as_json)
-        return EXIT_CODES[result.status]
-
-
-async def _follow_with_interrupts(client: Any, handle: Any, task_id: str, quiet: bool) -> str:
-    """Follow events; first Ctrl-C interrupts the turn, the second detaches."""
+    Returns:
+        ``"finished"`` or ``"detached"``.
+    """
     loop = asyncio.get_running_loop()
     presses = 0
     detach = asyncio.Event()
@@ -311,7 +601,7 @@ async def _follow_with_interrupts(client: Any, handle: Any, task_id: str, quiet:
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
-        follow = asyncio.create_task(_follow(client, task_id, (lambda e: None) if quiet else _print_event))
+        follow = asyncio.create_task(_follow(client, handle.id, on_event, from_offset=from_offset))
         stop = asyncio.create_task(detach.wait())
         done, _ = await asyncio.wait([follow, stop], return_when=asyncio.FIRST_COMPLETED)
         for t in (follow, stop):
@@ -326,11 +616,163 @@ async def _follow_with_interrupts(client: Any, handle: Any, task_id: str, quiet:
 
 
 async def _send_interrupt(handle: Any) -> None:
-    res: InterruptResult = await handle.execute_update("interrupt", result_type=InterruptResult)
+    try:
+        res: InterruptResult = await handle.execute_update("interrupt", result_type=InterruptResult)
+    except Exception as err:  # the task ended meanwhile, or no worker: say so, keep following
+        err_console.print(f"[yellow]interrupt not delivered: {escape(_first_line(err))}[/yellow]")
+        return
+    if not res.interrupted:
+        err_console.print("[yellow]no turn was running; nothing was interrupted[/yellow]")
+        return
     err_console.print(
-        f"[yellow]interrupted[/yellow]: aborted {len(res.aborted_calls)} call(s), kept "
-        f"{len(res.kept_calls)}; the task waits for `stopline message {handle.id} TEXT`"
+        f"[yellow]interrupted[/yellow]: {_calls_phrase(res)}; the task waits for "
+        f"`stopline message {handle.id} TEXT`"
     )
+
+
+def _calls_phrase(res: InterruptResult) -> str:
+    def ids(xs: list[str]) -> str:
+        return f" ({', '.join(xs)})" if xs else ""
+    return (f"aborted {len(res.aborted_calls)} call(s){ids(res.aborted_calls)}, "
+            f"kept {len(res.kept_calls)}{ids(res.kept_calls)}")
+
+
+async def _result(handle: Any) -> AgentTaskResult:
+    """The task's result; a cancelled/terminated workflow or an undecodable
+    one is said plainly."""
+    from temporalio.client import WorkflowFailureError
+
+    from stopline.worker.runtime import task_result
+
+    try:
+        return await task_result(handle)  # a failed task's workflow fails, carrying its result
+    except WorkflowFailureError as err:
+        raise UsageError(f"{handle.id} ended without a result: {_first_line(err.cause or err)}") from None
+    except Exception as err:
+        decode = _decode_problem(err)
+        if decode is not None:
+            raise UsageError(decode) from None
+        raise
+
+
+def _print_result(result: AgentTaskResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.model_dump(include={
+            "task_id", "status", "refused", "reason", "rounds", "provider_calls", "undelivered_messages",
+        })))
+        return
+    color = {"completed": "green", "failed": "red", "stopped": "yellow"}[result.status]
+    tag = " (refused)" if result.refused else ""
+    console.print(
+        f"[{color}]{result.status}{tag}[/{color}] {result.task_id}: {escape(result.reason)} "
+        f"(rounds {result.rounds}, provider calls {result.provider_calls})"
+    )
+    if result.undelivered_messages:
+        console.print(f"[yellow]{len(result.undelivered_messages)} message(s) never delivered: "
+                      f"{escape('; '.join(result.undelivered_messages))}[/yellow]")
+
+
+async def _warn_if_no_host(client: Any, settings: Settings, task_id: str) -> None:
+    """With TEMPORAL_ADDRESS, a task nobody takes waits ``waiting_for_host``:
+    say so, and what to start, instead of watching in silence."""
+    pool = pool_task_queue(settings.task_queue)
+    try:
+        if await _recent_pollers(client, pool, activity=True):
+            return
+    except Exception:  # cannot tell: say nothing rather than something untrue
+        return
+    err_console.print(
+        f"[yellow]no host takes tasks on queue {pool}: start `stopline-worker` with "
+        f"TEMPORAL_ADDRESS={_configured(settings)} on a machine that holds the workspace; "
+        f"{task_id} waits (state waiting_for_host) until one does[/yellow]"
+    )
+
+
+async def _run_task(
+    settings: Settings,
+    *,
+    prompt: str,
+    model: str,
+    workspace: Path,
+    limits: TaskLimits,
+    detach: bool,
+    as_json: bool,
+    task_id: str | None = None,
+    reuse: str = "fail",
+    host: str | None = None,
+) -> int:
+    from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+    from temporalio.exceptions import WorkflowAlreadyStartedError
+
+    task_id = task_id or f"task-{uuid.uuid4().hex[:12]}"
+    # The workspace lives on the host that runs the tools; that host checks
+    # it when it claims the task. Only with the embedded server (this
+    # machine is the host) is a missing directory known here, early.
+    if not _configured(settings) and not workspace.is_dir():
+        raise UsageError(f"workspace {workspace} is not a directory")
+    model = _check_model(model, settings)
+    async with AsyncExitStack() as stack:
+        address = await _runtime(settings, stack, pin="a detached task" if detach else None)
+        client = await _client(settings, address)
+        attached = False
+        try:
+            handle = await client.start_workflow(
+                AGENT_TASK_WORKFLOW,
+                AgentTaskInput(
+                    prompt=prompt, model=model, workspace=str(workspace.resolve()),
+                    limits=limits, host=host,
+                ),
+                id=task_id,
+                task_queue=settings.task_queue,
+                result_type=AgentTaskResult,
+                # a task id names one task: its ledger, its sub-tasks' ids
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+            )
+        except WorkflowAlreadyStartedError:
+            if reuse != "attach":
+                state = await _state_word(client, task_id)
+                raise UsageError(
+                    f"task id {task_id} is already in use (a {state} task); choose another --id, "
+                    f"or `--reuse attach` to follow that task instead"
+                ) from None
+            handle = client.get_workflow_handle(task_id, result_type=AgentTaskResult)
+            attached = True
+        if _configured(settings) and not attached:
+            await _warn_if_no_host(client, settings, task_id)
+        if detach:
+            if as_json:
+                print(json.dumps({"task_id": task_id, "status": "running"}))
+            else:
+                console.print(f"started {task_id} (detached); `stopline follow {task_id}` shows it")
+            return 0
+        if not as_json:
+            verb = "following existing task" if attached else "task"
+            console.print(f"{verb} [bold]{task_id}[/bold] on {address}")
+        renderer = EventRenderer(console)
+        outcome = await _follow_with_interrupts(
+            client, handle, (lambda e: None) if as_json else renderer,
+        )
+        renderer.close()
+        if outcome == "detached":
+            if not _configured(settings):
+                from stopline.worker.runtime import pin_embedded
+
+                pin_embedded(settings, f"detached from {task_id}")
+            console.print(f"detached; {task_id} keeps waiting. `stopline message {task_id} TEXT` "
+                          f"continues it, `stopline follow {task_id}` shows it.")
+            return 130
+        result = await _result(handle)
+        _print_result(result, as_json)
+        return EXIT_CODES[result.status]
+
+
+async def _state_word(client: Any, task_id: str) -> str:
+    try:
+        desc = await client.get_workflow_handle(task_id).describe()
+        return desc.status.name.lower().replace("_", "-") if desc.status else "known"
+    except Exception:
+        return "known"
 
 
 # ---------------------------------------------------------------------------
@@ -339,32 +781,78 @@ async def _send_interrupt(handle: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    """`stopline up`: start the embedded dev server and a background worker."""
+    """`stopline up`: start the embedded dev server and this home's worker, pinned."""
     from stopline.worker import runtime
 
-    if settings.temporal_address:
-        raise UsageError("TEMPORAL_ADDRESS is set: run `python worker.py` against it instead")
-    address = runtime.start_dev_server(settings)
-    pid = runtime.start_background_worker(settings, address)
-    console.print(f"Temporal dev server on {address} (UI http://127.0.0.1:{settings.dev_server_ui_port})")
-    console.print(f"worker pid {pid}; logs in {settings.home / 'run'}")
-    return 0
+    configured = _configured(settings)
+    if configured:
+        raise UsageError(
+            f"a Temporal address is configured ({configured}): run `stopline-worker` "
+            f"against it instead; `stopline up` runs the embedded server"
+        )
+
+    async def go() -> int:
+        try:
+            emb = await runtime.acquire_embedded(settings)
+        except runtime.EmbeddedServerError as err:
+            raise UsageError(str(err)) from None
+        runtime.pin_embedded(settings, "stopline up")
+        await runtime.release_embedded(settings, emb.lease)  # pinned: keeps running
+        console.print(f"Temporal dev server on {emb.address} (UI http://127.0.0.1:{settings.dev_server_ui_port})")
+        console.print(f"worker pid {emb.worker_pid}; logs in {settings.home / 'run'}")
+        return 0
+
+    return asyncio.run(go())
 
 
 def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
-    """`stopline down`: stop what `up` (or a detached run or chat) started, by PID."""
+    """`stopline down`: stop the embedded server and worker, by PID.
+
+    Tasks and chat threads still running there are stopped first, each with
+    a recorded reason (a workflow cancel naming `stopline down`), so none is
+    left waiting for a worker that is gone. One that does not stop in time is
+    named; it goes on at the next `stopline up` (the server's SQLite file
+    keeps it).
+    """
     from stopline.worker import runtime
 
-    stopped_worker = runtime.background_worker(settings).stop()
-    stopped_server = runtime.dev_server(settings).stop()
-    run_dir = settings.home / "run"
-    for pid_file in sorted(run_dir.glob("scripted-*.pid")) if run_dir.is_dir() else []:
-        runtime.Managed("scripted", pid_file, pid_file.with_suffix(".log")).stop(5.0)
-    console.print(
-        f"worker {'stopped' if stopped_worker else 'not running'}; "
-        f"dev server {'stopped' if stopped_server else 'not running'}"
-    )
-    return 0
+    async def go() -> int:
+        stopped: list[str] = []
+        late: list[str] = []
+        if runtime.dev_server(settings).pid() is not None:
+            client = await _client(settings, f"127.0.0.1:{settings.dev_server_port}", embedded=True)
+            running = await _running_threads(client)
+            if running and await _no_worker(client, settings, settings.task_queue):
+                late, running = running, []  # nothing would record their stop now
+            for task_id in running:
+                try:
+                    await client.get_workflow_handle(task_id).cancel(reason=DOWN_REASON)
+                except Exception:  # closed meanwhile
+                    pass
+            for task_id in running:
+                try:
+                    await asyncio.wait_for(client.get_workflow_handle(task_id).result(), args.timeout)
+                    stopped.append(task_id)
+                except asyncio.TimeoutError:
+                    late.append(task_id)
+                except Exception:  # ended another way (failed, terminated): it is not running
+                    stopped.append(task_id)
+        async with runtime.embedded_lock(settings):
+            stopped_worker, stopped_server = runtime.stop_embedded(settings)
+        if stopped:
+            console.print(f"stopped {len(stopped)} running task(s) with reason \"{DOWN_REASON}\": "
+                          f"{', '.join(stopped)}")
+        if late:
+            console.print(f"[yellow]{len(late)} task(s) did not record a stop (no worker, or not "
+                          f"within {args.timeout:g}s) and go on at the next `stopline up`: "
+                          f"{', '.join(late)}[/yellow]")
+        console.print(
+            f"worker {'stopped' if stopped_worker else 'not running'}; "
+            f"dev server {'stopped' if stopped_server else 'not running'}"
+        )
+        return 0
+
+    return asyncio.run(go())
 
 
 def _tool_env(pairs: list[str] | None) -> dict[str, str]:
@@ -433,7 +921,45 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(_run_task(
         settings, prompt=args.prompt, model=args.model, workspace=Path(args.workspace),
         limits=_limits(args), detach=args.detach, as_json=args.json, host=args.host,
+        task_id=args.id, reuse=args.reuse,
     ))
+
+
+def cmd_follow(args: argparse.Namespace, settings: Settings) -> int:
+    """`stopline follow ID`: re-attach to a task (running or finished) from any machine.
+
+    Shows its events from the start (``--from-now``: only new ones), text
+    as the model writes it; Ctrl-C interrupts the task's turn as in
+    ``run``, a second Ctrl-C detaches. Exit code: the task's outcome.
+    """
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.contrib.workflow_streams import WorkflowStreamClient
+
+    async def go() -> int:
+        client = await _client(settings)
+        handle = client.get_workflow_handle(args.id, result_type=AgentTaskResult)
+        desc = await _describe(handle)
+        running = desc.status == WorkflowExecutionStatus.RUNNING
+        problem = await _no_worker(client, settings, desc.task_queue)
+        if problem is not None:
+            if not running:  # a closed task's events are read through a worker (a Query)
+                raise UsageError(f"{problem}; a finished task's events are read through a worker")
+            err_console.print(f"[yellow]{problem}; events show once one does[/yellow]")
+        offset = 0
+        if args.from_now and running:
+            offset = await WorkflowStreamClient.create(client, args.id).get_offset()
+        if running or not args.from_now:
+            renderer = EventRenderer(console, as_json=args.json)
+            outcome = await _follow_with_interrupts(client, handle, renderer, from_offset=offset)
+            renderer.close()
+            if outcome == "detached":
+                console.print(f"detached from {args.id}; it goes on")
+                return 130
+        result = await _result(handle)
+        _print_result(result, args.json)
+        return EXIT_CODES[result.status]
+
+    return asyncio.run(go())
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -461,7 +987,8 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     ))
     if not args.json:
         console.print(f"workspace:  {work / 'workspace'}")
-        console.print(f"transcript: {settings.ledger_dir / task_id / 'ledger.jsonl'}")
+        console.print(f"transcript: {settings.ledger_dir / task_id / 'ledger.jsonl'} "
+                      f"(or `stopline transcript {task_id}` while a server runs)")
     return code
 
 
@@ -471,35 +998,45 @@ async def _handle(settings: Settings, task_id: str) -> tuple[Any, Any]:
 
 
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
-    """`stopline status`: the task's state, refusal and result (the ``status`` Query)."""
+    """`stopline status`: the task's state, host, refusal and result (the ``status`` Query)."""
+    from stopline.core.refusal import NOT_CONTINUABLE_CLI
+
     async def go() -> int:
-        _, handle = await _handle(settings, args.id)
-        desc = await handle.describe()
-        try:
-            st: TaskStatus | None = await handle.query("status", result_type=TaskStatus)
-        except Exception as err:  # no worker to answer, or it cannot decode
-            st = None
-            err_console.print(f"[yellow]no worker answered the status query ({err}); "
-                              f"is one running? (`stopline up`)[/yellow]")
+        client, handle = await _handle(settings, args.id)
+        desc = await _describe(handle)
+        st = await _query_status(client, settings, handle, desc)
+        note = NOT_CONTINUABLE_CLI if st.note else None
         out = {
             "task_id": args.id,
             "workflow_status": desc.status.name if desc.status else None,
-            "state": _shown_status(st.state, desc.status) if st else _shown_status(None, desc.status),
-            "round": st.round if st else None,
-            "rows": st.rows if st else None,
-            "result": st.result.model_dump(mode="json") if st and st.result else None,
-            "refusal": st.refusal.model_dump() if st and st.refusal else None,
-            "stop_reason": st.stop_reason if st else None,
-            "note": st.note if st else None,
-            "host": (
-                {"host_id": st.host.host_id, "hostname": st.host.hostname} if st and st.host else None
-            ),
+            "state": _shown_status(st.state, desc.status),
+            "round": st.round,
+            "rows": st.rows,
+            "result": st.result.model_dump(mode="json", exclude={"unflushed_rows"}) if st.result else None,
+            "refusal": st.refusal.model_dump() if st.refusal else None,
+            "stop_reason": st.stop_reason,
+            "note": note,
+            "host": {"host_id": st.host.host_id, "hostname": st.host.hostname} if st.host else None,
         }
         if args.json:
             print(json.dumps(out))
-        else:
-            for k, v in out.items():
-                console.print(f"{k:16} {json.dumps(v) if isinstance(v, dict) else v}", markup=False)
+            return 0
+        lines = [("task", args.id), ("state", f"{out['state']} (workflow {out['workflow_status']})")]
+        if st.host:
+            lines.append(("host", f"{st.host.host_id} ({st.host.hostname})"))
+        lines.append(("progress", f"round {st.round}, {st.rows} ledger rows"))
+        if st.result:
+            tag = " (refused)" if st.result.refused else ""
+            lines.append(("result", f"{st.result.status}{tag}: {st.result.reason}"))
+            if st.result.undelivered_messages:
+                lines.append(("undelivered", "; ".join(st.result.undelivered_messages)))
+        if st.refusal:
+            cat = f" {st.refusal.category}" if st.refusal.category else ""
+            lines.append(("refusal", f"{st.refusal.provider}{cat}, round {st.refusal.round}"))
+        if note:
+            lines.append(("note", note))
+        for k, v in lines:
+            console.print(f"{k:12} {v}", markup=False)
         return 0
 
     return asyncio.run(go())
@@ -513,7 +1050,7 @@ def _print_rows(rows: list[LedgerRow], as_json: bool) -> None:
         vis = "" if row.model_visible else " [dim](hidden from model)[/dim]"
         head = f"[bold]#{row.seq} r{row.round} {row.kind}[/bold]{vis}"
         if row.kind == "tool_result":
-            head += f" {row.tool_name} {row.call_id} ok={row.ok}"
+            head += f" {escape(row.tool_name or '')} {escape(row.call_id or '')} ok={row.ok}"
         console.print(head)
         if row.text:
             console.print(row.text, markup=False)
@@ -534,21 +1071,28 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
     from stopline.activities.history import rows_from_history
     from stopline.core.search_attributes import literal
 
+    async def rows_of(client: Any, run_id: str | None) -> list[LedgerRow]:
+        try:
+            return await rows_from_history(client, args.id, run_id)
+        except RPCError as err:
+            raise UsageError(f"no task {args.id}: {err.message}") from None
+        except Exception as err:
+            decode = _decode_problem(err)
+            if decode is not None:
+                raise UsageError(decode) from None
+            raise
+
     async def go() -> int:
         client = await _client(settings)
         if not args.all_runs:
-            try:
-                rows = await rows_from_history(client, args.id, None)
-            except RPCError as err:
-                raise UsageError(f"no task {args.id}: {err.message}") from None
-            _print_rows(rows, args.json)
+            _print_rows(await rows_of(client, None), args.json)
             return 0
         runs = [wf async for wf in client.list_workflows(f"WorkflowId = {literal(args.id)}")]
         if not runs:
             raise UsageError(f"no task {args.id}")
         latest = runs[0].run_id
         for wf in sorted(runs, key=lambda w: w.start_time):
-            rows = await rows_from_history(client, args.id, wf.run_id)
+            rows = await rows_of(client, wf.run_id)
             label = "current" if wf.run_id == latest else (wf.status.name.lower() if wf.status else "?")
             if args.json:
                 print(json.dumps({"run_id": wf.run_id, "run": label, "rows": len(rows)}))
@@ -571,11 +1115,12 @@ def cmd_move(args: argparse.Namespace, settings: Settings) -> int:
 
     async def go() -> int:
         _, handle = await _handle(settings, args.id)
+        await _describe(handle)
         try:
             said = await handle.execute_update("move", args.to, result_type=str)
         except WorkflowUpdateFailedError as err:
             raise UsageError(str(getattr(err.cause, "message", None) or err.cause or err)) from None
-        console.print(said)
+        console.print(said, markup=False)
         return 0
 
     return asyncio.run(go())
@@ -612,9 +1157,11 @@ def cmd_hosts(args: argparse.Namespace, settings: Settings) -> int:
             console.print(f"no live host polls task queue {settings.task_queue}")
             return 0
         console.print(f"{'HOST':16} {'HOSTNAME':24} {'TASKS':>9}  LAST SEEN")
-        for r in rows:
+        for h, r in zip(hosts, rows):
             cap = r["capacity"] if r["capacity"] is not None else "?"
-            console.print(f"{r['host_id']:16} {r['hostname']:24} {str(r['tasks']) + '/' + str(cap):>9}  {r['last_seen']}")
+            seen = f"{h.last_seen:%Y-%m-%d %H:%M:%S}" if h.last_seen else "-"
+            console.print(f"{r['host_id']:16} {r['hostname']:24} {str(r['tasks']) + '/' + str(cap):>9}  {seen}",
+                          markup=False)
         return 0
 
     return asyncio.run(go())
@@ -629,17 +1176,17 @@ def _shown_status(recorded: str | None, execution: Any) -> str:
     ended = execution is not None and execution != WorkflowExecutionStatus.RUNNING
     if recorded and not (ended and recorded in ("running", "waiting", "waiting_for_host")):
         return recorded
-    return execution.name.lower() if execution is not None else "?"
+    return execution.name.lower() if execution is not None else "unknown"
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
-    """Tasks and chat threads with their outcome (from search attributes)."""
+    """Tasks and chat threads with their outcome (from search attributes), newest first."""
     from stopline.core import search_attributes as sa
-    from stopline.core.contracts import CHAT_THREAD_WORKFLOW
 
     async def go() -> int:
         client = await _client(settings)
         query = f"WorkflowType IN ('{AGENT_TASK_WORKFLOW}', '{CHAT_THREAD_WORKFLOW}')"
+        header = False
         async for wf in client.list_workflows(query):
             attrs = wf.typed_search_attributes
             row = {
@@ -648,16 +1195,22 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
                 "status": _shown_status(attrs.get(sa.STATUS), wf.status),
                 "refused": bool(attrs.get(sa.REFUSED)),
                 "model": attrs.get(sa.MODEL),
+                "host": attrs.get(sa.HOST) or None,
                 "started": wf.start_time.isoformat(),
             }
             if args.json:
                 print(json.dumps(row))
-            else:
-                tag = " refused" if row["refused"] else ""
-                console.print(
-                    f"{row['id']:32} {row['kind']:5} {row['status'] + tag:16} "
-                    f"{wf.start_time:%Y-%m-%d %H:%M:%S}  {row['model'] or ''}"
-                )
+                continue
+            if not header:
+                console.print(f"{'ID':32} {'KIND':5} {'STATUS':16} {'STARTED':19}  MODEL", markup=False)
+                header = True
+            tag = " refused" if row["refused"] else ""
+            console.print(
+                f"{row['id']:32} {row['kind']:5} {row['status'] + tag:16} "
+                f"{wf.start_time:%Y-%m-%d %H:%M:%S}  {row['model'] or '-'}", markup=False,
+            )
+        if not header and not args.json:
+            console.print("no tasks or chat threads yet")
         return 0
 
     return asyncio.run(go())
@@ -666,12 +1219,19 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline interrupt`: send the ``interrupt`` Update (aborts the current turn only)."""
     async def go() -> int:
-        _, handle = await _handle(settings, args.id)
+        client, handle = await _handle(settings, args.id)
+        desc = await _describe(handle)
+        problem = await _no_worker(client, settings, desc.task_queue)
+        if problem is not None:
+            raise UsageError(problem)
         res = await handle.execute_update("interrupt", result_type=InterruptResult)
-        print(res.model_dump_json() if args.json else (
-            f"interrupted: aborted {res.aborted_calls}, kept {res.kept_calls}"
-            if res.interrupted else "no turn was running; nothing changed"
-        ))
+        if args.json:
+            print(res.model_dump_json())
+        elif res.interrupted:
+            console.print(f"interrupted: {_calls_phrase(res)}; the task waits for "
+                          f"`stopline message {args.id} TEXT`", markup=False)
+        else:
+            console.print("no turn was running; nothing changed")
         return 0
 
     return asyncio.run(go())
@@ -681,13 +1241,16 @@ def cmd_message(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline message`: task_message — refused for a task a refusal stopped."""
     from stopline.activities.ledger import LedgerStore
     from stopline.activities.tasks import TaskNotContinuable, send_task_message
+    from stopline.core.refusal import NOT_CONTINUABLE, NOT_CONTINUABLE_CLI
 
     async def go() -> int:
-        client = await _client(settings)
+        client, handle = await _handle(settings, args.id)
+        await _describe(handle)
         try:
             ack = await send_task_message(client, LedgerStore(settings.ledger_dir), args.id, args.text)
         except TaskNotContinuable as err:
-            raise UsageError(str(err)) from None
+            said = str(err)
+            raise UsageError(NOT_CONTINUABLE_CLI if said == NOT_CONTINUABLE else said) from None
         console.print(f"message accepted (task {ack.state})")
         return 0
 
@@ -696,104 +1259,140 @@ def cmd_message(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_wait(args: argparse.Namespace, settings: Settings) -> int:
     """``task_wait`` from the CLI: wait until every task settles (or timeout)."""
-    from stopline.worker.runtime import task_result
 
     async def go() -> int:
         client = await _client(settings)
         worst = 0
-        results = {}
+        results: dict[str, dict[str, Any]] = {}
         for task_id in args.ids:
             handle = client.get_workflow_handle(task_id, result_type=AgentTaskResult)
+            await _describe(handle)
             try:
-                result = await asyncio.wait_for(task_result(handle), args.timeout)
+                result = await asyncio.wait_for(_result(handle), args.timeout)
             except asyncio.TimeoutError:
                 results[task_id] = {"status": "running"}
                 worst = max(worst, 4)
                 continue
-            results[task_id] = result.model_dump(mode="json", exclude={"final_text"})
+            results[task_id] = result.model_dump(mode="json", exclude={"final_text", "unflushed_rows"})
             worst = max(worst, EXIT_CODES[result.status])
         if args.json:
             print(json.dumps(results))
         else:
             for task_id, r in results.items():
                 tag = " (refused)" if r.get("refused") else ""
-                console.print(f"{task_id}: {r['status']}{tag} {r.get('reason', '')}")
+                reason = f": {r['reason']}" if r.get("reason") else f" after {args.timeout:g}s"
+                console.print(f"{task_id}: {r['status']}{tag}{reason}", markup=False)
         return worst
 
     return asyncio.run(go())
 
 
 def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
-    """``task_stop`` from the CLI: cancel a task, print where it stopped."""
+    """``task_stop`` from the CLI: cancel a task (reason `stopline stop`), print where it stopped."""
     from temporalio.service import RPCError
 
-    from stopline.worker.runtime import task_result
+    from stopline.core.refusal import NOT_CONTINUABLE_CLI
 
     async def go() -> int:
-        client = await _client(settings)
-        handle = client.get_workflow_handle(args.id, result_type=AgentTaskResult)
+        client, handle = await _handle(settings, args.id)
+        desc = await _describe(handle)
+        from temporalio.client import WorkflowExecutionStatus
+
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            problem = await _no_worker(client, settings, desc.task_queue)
+            if problem is not None:
+                raise UsageError(f"{problem}; a stop is recorded by a worker")
+            try:
+                await handle.cancel(reason=STOP_REASON)
+            except RPCError:
+                pass  # closed meanwhile: its result says where it stopped
         try:
-            await handle.cancel()
-        except RPCError:
-            pass  # already closed: its result says where it stopped
-        result = await asyncio.wait_for(task_result(handle), 60)
+            result = await asyncio.wait_for(_result(handle), 60)
+        except asyncio.TimeoutError:
+            raise UsageError(f"{args.id} did not stop within 60s") from None
         body: dict[str, Any] = {
             "task_id": args.id, "status": result.status, "refused": result.refused,
             "reason": result.reason, "evidence": result.evidence,
+            "undelivered_messages": result.undelivered_messages,
         }
         if result.refused:
-            from stopline.core.refusal import NOT_CONTINUABLE
-
-            body["note"] = NOT_CONTINUABLE
-        print(json.dumps(body, indent=None if args.json else 1))
+            body["note"] = NOT_CONTINUABLE_CLI
+        if args.json:
+            print(json.dumps(body))
+            return 0
+        console.print(f"{args.id} {result.status}: {result.reason}", markup=False)
+        ev = result.evidence or {}
+        if ev.get("last_message"):
+            console.print(f"  last message: {str(ev['last_message'])[:300]}", markup=False)
+        tool = ev.get("last_tool")
+        if isinstance(tool, dict) and tool.get("name"):
+            console.print(f"  last tool:    {tool.get('name')} {tool.get('args_firstline') or ''}".rstrip(),
+                          markup=False)
+        if ev.get("changed_paths"):
+            console.print(f"  changed:      {', '.join(ev['changed_paths'])}", markup=False)
+        if result.undelivered_messages:
+            console.print(f"  undelivered:  {'; '.join(result.undelivered_messages)}", markup=False)
+        if result.refused:
+            console.print(f"  note: {NOT_CONTINUABLE_CLI}", markup=False)
         return 0
 
     return asyncio.run(go())
 
 
 def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
-    """A chat thread: start one (or use ``--thread``), send messages, print
-    each turn. Without TEXT, reads one message per line from stdin."""
-    from stopline.core.contracts import CHAT_THREAD_WORKFLOW, ChatThreadInput
+    """A chat thread: start one (or use ``--thread``), send messages, show each
+    turn as it streams. Without TEXT, reads one message per line from stdin."""
+    from temporalio.contrib.workflow_streams import WorkflowStreamClient
+
+    from stopline.core.contracts import ChatThreadInput
     from stopline.workflows.chat_thread import TurnOutcome
 
     async def go() -> int:
         async with AsyncExitStack() as stack:
-            # a thread outlives this command: what we start keeps running
-            address = await _runtime(settings, stack, keep=True)
+            # a thread outlives this command: what it needs keeps running
+            address = await _runtime(settings, stack, pin="a chat thread")
             client = await _client(settings, address)
             thread_id = args.thread or f"chat-{uuid.uuid4().hex[:8]}"
             if not args.thread:
-                _check_model(args.model, settings)
-                model, base_url = args.model, None
-                if model.startswith("scripted:"):
-                    model, base_url = _start_scripted(
-                        settings, Path(model.split(":", 1)[1]).resolve(), thread_id, address, stack
-                    )
-                    stack.pop_all()
+                model = _check_model(args.model, settings)
                 await client.start_workflow(
                     CHAT_THREAD_WORKFLOW,
                     ChatThreadInput(
-                        model=model, base_url=base_url, workspace=str(Path(args.workspace).resolve()),
-                        limits=_limits(args),
+                        model=model, workspace=str(Path(args.workspace).resolve()), limits=_limits(args),
                     ),
                     id=thread_id, task_queue=settings.task_queue,
                 )
                 console.print(f"thread [bold]{thread_id}[/bold] (continue with --thread {thread_id})")
             handle = client.get_workflow_handle(thread_id)
+            await _describe(handle)
             for source_text in args.increment or []:
                 source, _, text = source_text.partition(":")
                 await handle.execute_update("increment", args=[source, text])
             texts = [args.text] if args.text else (line.rstrip("\n") for line in sys.stdin)
+            stream = WorkflowStreamClient.create(client, thread_id)
             code = 0
             for text in texts:
                 if not text.strip():
                     continue
-                out: TurnOutcome = await handle.execute_update("ask", text, result_type=TurnOutcome)
-                if out.final_text:
-                    console.print(f"[bold]assistant:[/bold] {out.final_text}")
+                renderer = EventRenderer(console)
+                offset = await stream.get_offset()
+                watch = asyncio.create_task(_follow(
+                    client, thread_id, renderer, from_offset=offset,
+                    until=lambda ev: ev.kind in ("turn_finished", "task_finished"),
+                ))
+                try:
+                    out: TurnOutcome = await handle.execute_update("ask", text, result_type=TurnOutcome)
+                    try:
+                        await asyncio.wait_for(asyncio.shield(watch), 5.0)
+                    except (asyncio.TimeoutError, UsageError):
+                        pass
+                finally:
+                    watch.cancel()
+                    renderer.close()
+                if out.final_text and renderer.last_assistant_text != out.final_text:
+                    console.print("[bold]assistant:[/bold] " + escape(out.final_text))
                 tag = " (refused)" if out.refused else ""
-                console.print(f"[dim]turn {out.turn}: {out.status}{tag} — {out.reason}[/dim]")
+                console.print(f"[dim]turn {out.turn}: {out.status}{tag} — {escape(out.reason)}[/dim]")
                 code = EXIT_CODES.get(out.status, 0)
             if args.close:
                 await handle.signal("close")
@@ -803,42 +1402,11 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_scripted_server(args: argparse.Namespace, settings: Settings) -> int:
-    """`stopline scripted-server`: serve a scenario until signalled or the task closes."""
+    """`stopline scripted-server`: serve a scenario until signalled."""
     from stopline.testing.scripted import serve
 
-    exit_when = None
-    if args.exit_when_task_done:
-        exit_when = _task_closed_probe(settings, args.exit_when_task_done, args.temporal_address)
-    serve(args.scenario, host=args.host, port=args.port, ready_file=args.ready_file, exit_when=exit_when)
+    serve(args.scenario, host=args.host, port=args.port, ready_file=args.ready_file)
     return 0
-
-
-def _task_closed_probe(settings: Settings, task_id: str, address: str | None) -> Callable[[], bool]:
-    """A blocking check: has the task's workflow closed (or never appeared)?"""
-    import time
-
-    started = time.monotonic()
-    loop = asyncio.new_event_loop()
-    state: dict[str, Any] = {}
-
-    async def closed() -> bool:
-        from temporalio.client import WorkflowExecutionStatus
-        from temporalio.service import RPCError
-
-        if "client" not in state:
-            state["client"] = await _client(settings, address)
-        try:
-            desc = await state["client"].get_workflow_handle(task_id).describe()
-        except RPCError:
-            return time.monotonic() - started > 60  # never started
-        return desc.status != WorkflowExecutionStatus.RUNNING
-
-    def probe() -> bool:
-        try:
-            return loop.run_until_complete(closed())
-        except Exception:
-            return time.monotonic() - started > 60
-    return probe
 
 
 def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
@@ -895,7 +1463,7 @@ def cmd_history_export(args: argparse.Namespace, settings: Settings) -> int:
         try:
             history = await export_history(client, args.id, path, run_id=args.run_id)
         except RPCError as err:
-            raise UsageError(f"cannot fetch the history of {args.id}: {err}") from None
+            raise UsageError(f"cannot fetch the history of {args.id}: {err.message}") from None
         console.print(f"wrote {len(history.events)} events of {args.id} (run {history.run_id}) to {path}")
         return 0
 
@@ -907,9 +1475,9 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
 
     A path to an existing file (or one ending in ``.json``) is read; anything
     else is a task id whose history is fetched from the server. Exit 0 when
-    it replays, 1 on nondeterminism or another replay failure.
+    it replays, 1 on nondeterminism or another replay failure; 2 when the
+    history cannot be read or decoded (say, encrypted and no key set).
     """
-    from temporalio.runtime import Runtime, TelemetryConfig
     from temporalio.service import RPCError
 
     from stopline.replay import fetch_history, load_history, replay
@@ -925,21 +1493,62 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             try:
                 history = await fetch_history(await _client(settings), args.target, args.run_id)
             except RPCError as err:
-                raise UsageError(f"cannot fetch the history of {args.target}: {err}") from None
-        # A runtime without core logging: the core would also print the
-        # failure as a WARN line; the outcome below says it once, clearly.
-        quiet = Runtime(telemetry=TelemetryConfig(logging=None))
-        outcome = await replay(history, data_converter(settings), runtime=quiet, debug_mode=args.debug)
+                raise UsageError(f"cannot fetch the history of {args.target}: {err.message}") from None
+        try:
+            converter = data_converter(settings)
+        except Exception as err:
+            raise UsageError(f"STOPLINE_CODEC_KEY: {_first_line(err)}") from None
+        problem = _history_key_problem(history, settings)
+        if problem is not None:
+            raise UsageError(problem)
+        import logging
+
+        # the SDK would log the failed activation too; the outcome says it once
+        logging.getLogger("temporalio").setLevel(logging.CRITICAL)
+        # The quiet runtime: the core would also print the failure as a WARN
+        # line; the outcome below says it once, clearly.
+        outcome = await replay(history, converter, runtime=_runtime_without_core_logs(),
+                               debug_mode=args.debug)
+        if not outcome.ok and outcome.error:
+            decode = _decode_problem(RuntimeError(outcome.error))
+            if decode is not None:
+                raise UsageError(decode)
         if args.json:
             print(json.dumps(outcome.__dict__))
         else:
-            from rich.markup import escape
-
             color = "green" if outcome.ok else "red"
             console.print(f"[{color}]{escape(outcome.describe())}[/{color}]")
         return 0 if outcome.ok else 1
 
     return asyncio.run(go())
+
+
+def _history_key_problem(history: Any, settings: Settings) -> str | None:
+    """Why this command cannot decode an encrypted history, or ``None``.
+
+    Each encrypted payload names its key by a non-secret id
+    (``stopline.worker.codec``); the first one found is checked against the
+    keys this command has.
+    """
+    from stopline.worker.codec import ENCODING, KEY_ID_METADATA, key_id, parse_key
+
+    for event in history.events:
+        attrs = event.workflow_execution_started_event_attributes
+        for payload in attrs.input.payloads:
+            if payload.metadata.get("encoding") != ENCODING:
+                return None
+            if settings.codec_key is None:
+                return _decode_problem(RuntimeError(ENCODING.decode()))
+            texts = [settings.codec_key.get_secret_value()]
+            if settings.codec_previous_keys is not None:
+                texts += settings.codec_previous_keys.get_secret_value().split(",")
+            have = {key_id(parse_key(t.strip())) for t in texts if t.strip()}
+            kid = payload.metadata.get(KEY_ID_METADATA, b"").decode()
+            if kid and kid not in have:
+                return (f"cannot decode the history: it is encrypted under key {kid}, which is neither "
+                        f"STOPLINE_CODEC_KEY nor one of STOPLINE_CODEC_PREVIOUS_KEYS")
+            return None
+    return None
 
 
 def cmd_search_attributes_register(args: argparse.Namespace, settings: Settings) -> int:
@@ -963,8 +1572,8 @@ def cmd_search_attributes_register(args: argparse.Namespace, settings: Settings)
                 raise UsageError(str(err)) from None
             except Exception as err:  # server or namespace not up yet
                 if time.monotonic() >= deadline:
-                    raise UsageError(f"could not register search attributes: {err}") from None
-                err_console.print(f"waiting for Temporal: {err}", markup=False, style="dim")
+                    raise UsageError(f"could not register search attributes: {_first_line(err)}") from None
+                err_console.print(f"waiting for Temporal: {_first_line(err)}", markup=False, style="dim")
                 await asyncio.sleep(2.0)
         for name, state in done.items():
             console.print(f"{name:18} {state}")
@@ -978,20 +1587,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stopline",
         description="Durable LLM agent tasks on Temporal: every way a turn ends is recorded.",
-        epilog="Exit codes of run/demo/wait: 0 completed, 1 failed, 3 stopped, 2 usage error, "
-        "4 wait timed out with a task still running, 130 detached by a second Ctrl-C.",
+        epilog="Exit codes: 0 completed, 1 failed, 3 stopped, 2 usage or set-up error, "
+        "4 wait timed out with a task still running, 130 detached by a second Ctrl-C, "
+        "141 output pipe closed.",
     )
     p.add_argument("--home", help="state directory (default $STOPLINE_HOME or ~/.stopline)")
     sub = p.add_subparsers(dest="command", required=True)
 
     sub.add_parser("up", help="start the embedded Temporal dev server and a worker").set_defaults(fn=cmd_up)
-    sub.add_parser("down", help="stop what `up` started").set_defaults(fn=cmd_down)
+    dn = sub.add_parser("down", help="stop what `up` (or a detached run or chat) started; "
+                        "tasks still running there are stopped with a reason")
+    dn.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                    help="seconds to wait for running tasks to record their stop (default 30)")
+    dn.set_defaults(fn=cmd_down)
 
     r = sub.add_parser("run", help="start a task and follow it")
     r.add_argument("prompt")
     r.add_argument("--model", default="anthropic:claude-sonnet-4-5",
                    help="provider:model (anthropic, openai, openai-responses, openai-compat) or scripted:FILE")
     r.add_argument("--workspace", default=".", help="directory the tools work in (default: here)")
+    r.add_argument("--id", help="the task id (default: task-<random>); sub-tasks are named ID.<suffix>")
+    r.add_argument("--reuse", choices=("fail", "attach"), default="fail",
+                   help="when --id is already in use: fail (default) or attach (follow that task)")
     r.add_argument("--max-rounds", type=int, help="sampling rounds before the task stops (default 50)")
     r.add_argument("--tool-timeout", type=float, help="per-tool timeout, seconds")
     r.add_argument("--grace", type=float, help="interrupt grace period, seconds (default 0.1)")
@@ -1006,6 +1623,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--detach", action="store_true", help="start the task and return (task_start)")
     r.add_argument("--json", action="store_true", help="print the result object as the last line")
     r.set_defaults(fn=cmd_run)
+
+    f = sub.add_parser("follow", help="re-attach to a task: its events from the start, text as it streams")
+    f.add_argument("id")
+    f.add_argument("--from-now", action="store_true", help="only events from now on")
+    f.add_argument("--json", action="store_true", help="one JSON line per event, then the result")
+    f.set_defaults(fn=cmd_follow)
 
     d = sub.add_parser("demo", help="run the bundled demo task on the embedded server")
     d.add_argument("--json", action="store_true")
@@ -1078,8 +1701,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=0)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--ready-file")
-    s.add_argument("--exit-when-task-done", metavar="TASK_ID")
-    s.add_argument("--temporal-address")
     s.set_defaults(fn=cmd_scripted_server)
 
     h = sub.add_parser("history", help="task histories").add_subparsers(dest="history_command", required=True)
@@ -1109,8 +1730,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and the interpreter's
+    last flush must not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``stopline`` console script."""
+    """Entry point of the ``stopline`` console script.
+
+    Every failure a person can cause or meet is one ``error:`` line and an
+    exit code; ``STOPLINE_DEBUG=1`` shows the traceback of an unexpected one.
+    """
     from stopline.secrets import make_undumpable
 
     # this process holds the keys it read from its environment: keep
@@ -1126,20 +1761,28 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.fn(args, settings) or 0)
+    except BrokenPipeError:  # `stopline list | head`: the reader has all it wanted
+        _silence_stdout()
+        return EXIT_PIPE
     except UsageError as e:
-        err_console.print(f"[red]error:[/red] {e}", markup=True)
-        return 2
-    except RPCError as e:  # unknown task id, a closed workflow, no server
-        err_console.print(f"[red]error:[/red] {e.message}")
-        return 2
-    except WorkflowFailureError as e:  # e.g. a thread cancelled before it could record it
-        err_console.print(f"[red]error:[/red] the workflow ended without a result: {e.cause or e}")
-        return 1
-    except (ValueError, FileNotFoundError) as e:  # a bad scenario/history file, model ref
-        err_console.print(f"[red]error:[/red] {e}")
+        err_console.print(f"[red]error:[/red] {escape(str(e))}")
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if os.environ.get("STOPLINE_DEBUG"):
+            raise
+        said = _decode_problem(e)
+        if said is None and isinstance(e, RPCError):
+            said = e.message
+        elif said is None and isinstance(e, WorkflowFailureError):
+            said = f"the workflow ended without a result: {_first_line(e.cause or e)}"
+        elif said is None and isinstance(e, (ValueError, OSError, StoplineError)):
+            said = str(e)
+        elif said is None:
+            said = f"{type(e).__name__}: {_first_line(e)} (STOPLINE_DEBUG=1 shows where)"
+        err_console.print(f"[red]error:[/red] {escape(said)}")
+        return 1 if isinstance(e, WorkflowFailureError) else 2
 
 
 def entry() -> None:
@@ -1150,8 +1793,12 @@ def entry() -> None:
     code into SIGABRT. Everything is flushed first; nothing else is pending.
     """
     code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            _silence_stdout()
+            code = code or EXIT_PIPE
     os._exit(code)
 
 

@@ -80,6 +80,11 @@ class Settings(BaseSettings):
         worker_shutdown_grace_s: Seconds in-flight activities get to finish
             when the worker is asked to stop (SIGTERM); shorter than a
             container's usual 30 s termination grace.
+        stream_deltas_s: Seconds between the sampling activity's publishes
+            of text and tool-argument deltas to the task's workflow stream
+            (``stopline.activities.deltas``); each publish is a Signal (a
+            billed Action on Temporal Cloud). ``0``: no deltas; watchers
+            see whole messages.
         anthropic_api_key: ``$ANTHROPIC_API_KEY``.
         openai_api_key: ``$OPENAI_API_KEY``.
         anthropic_base_url: ``$ANTHROPIC_BASE_URL``.
@@ -156,6 +161,7 @@ class Settings(BaseSettings):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     worker_shutdown_grace_s: float = 10.0
+    stream_deltas_s: float = Field(default=0.25, ge=0)
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_base_url: str = Field(

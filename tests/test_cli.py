@@ -91,7 +91,7 @@ def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: P
     import signal
     import time
 
-    from stopline.core.refusal import NOT_CONTINUABLE, NOT_FORWARDED
+    from stopline.core.refusal import NOT_CONTINUABLE_CLI, NOT_FORWARDED
 
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -118,9 +118,9 @@ def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: P
         task_id = result["task_id"]
 
         msg = _stopline(cli_env, "message", task_id, "please continue")
-        assert msg.returncode == 2 and NOT_CONTINUABLE in msg.stderr.replace("\n", " ")
+        assert msg.returncode == 2 and NOT_CONTINUABLE_CLI in " ".join(msg.stderr.split())
         status = json.loads(_stopline(cli_env, "status", task_id, "--json").stdout)
-        assert status["refusal"]["provider"] == "anthropic" and status["note"] == NOT_CONTINUABLE
+        assert status["refusal"]["provider"] == "anthropic" and status["note"] == NOT_CONTINUABLE_CLI
         stop = json.loads(_stopline(cli_env, "stop", task_id, "--json").stdout)
         assert stop["evidence"]["last_tool"]["args_firstline"] == NOT_FORWARDED
         assert "secret-arg" not in json.dumps(stop)
@@ -158,6 +158,43 @@ def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: P
         assert kinds[-1] == "turn_aborted"
         assert _stopline(cli_env, "message", slow_id, "fine, stop").returncode == 0
         assert _stopline(cli_env, "wait", slow_id).returncode == 0
+    finally:
+        _stopline(cli_env, "down")
+    assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+
+
+def test_down_stops_running_tasks_with_a_reason(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """`down` does not strand a task waiting for a worker it stopped: the task
+    records a stop naming `stopline down`, read back after the next `up`."""
+    import time
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(scenario("anthropic", entry(anthropic_message(
+        tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})])))))
+    try:
+        assert _stopline(cli_env, "up").returncode == 0
+        run = _stopline(cli_env, "run", "go", "--model", f"scripted:{slow}", "--workspace", str(ws),
+                        "--id", "left-running", "--detach")
+        assert run.returncode == 0, run.stderr
+        deadline = time.monotonic() + 60
+        while not (ws / "pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        down = _stopline(cli_env, "down")
+        assert down.returncode == 0, down.stderr
+        assert down.stdout.splitlines()[0] == (
+            'stopped 1 running task(s) with reason "`stopline down` shut the embedded Temporal '
+            'server down": left-running'
+        )
+        assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+        assert _stopline(cli_env, "up").returncode == 0
+        wait = _stopline(cli_env, "wait", "left-running")
+        assert wait.returncode == 3
+        assert wait.stdout.strip() == (
+            "left-running: stopped: cancelled by a workflow cancel request: `stopline down` shut the "
+            "embedded Temporal server down"
+        )
     finally:
         _stopline(cli_env, "down")
     assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))

@@ -4,6 +4,7 @@
     4  stopline.worker                                    (wiring: plugin, workers, codec)
     3  stopline.activities                                (all I/O)
     2  stopline.workflows                                 (deterministic code)
+       stopline.testing.scripted                          (stdlib only: hosts serve scenarios)
     1  stopline.settings, stopline.logging,              (configuration)
        stopline.secrets
     0  stopline.core                                      (pure: contracts, policies, refusal)
@@ -34,6 +35,9 @@ LAYERS = {
     "stopline.cli": 5,
     "stopline.replay": 5,
     "stopline.testing": 5,
+    # the scripted provider server: stdlib only, and served by hosts for
+    # `scripted:FILE` models (stopline.activities.scripted_models)
+    "stopline.testing.scripted": 2,
     "stopline": 5,  # the package's public face re-exports from everywhere
 }
 #: Same layer, still forbidden both ways.

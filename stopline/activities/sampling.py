@@ -36,11 +36,14 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
+from stopline.activities import scripted_models
 from stopline.activities._heartbeat import heartbeating
+from stopline.activities.deltas import DeltaPublisher
 from stopline.activities.ledger import append_rows, default_store
 from stopline.activities.running import current, sampling_key
 from stopline.activities.providers.base import ProviderError
 from stopline.activities.providers.registry import get_adapter, parse_model_ref
+from stopline.activities.scripted_models import is_scripted
 from stopline.core.contracts import (
     SAMPLE_ACTIVITY,
     SAMPLING_DROPPED_ERROR,
@@ -219,6 +222,15 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     info = activity.info()
     # Each attempt sends at most one request; earlier attempts sent theirs.
     sent = [info.attempt - 1]
+    if is_scripted(inp.model):
+        # a scripted scenario is served on this host, per task
+        try:
+            ref, url = scripted_models.resolve(inp.task_id, inp.model)
+        except ValueError as e:
+            raise ApplicationError(
+                str(e), _failure(info, sent[0]), type=PROVIDER_ERROR_TYPE, non_retryable=True,
+            ) from e
+        inp = inp.model_copy(update={"model": ref, "base_url": url})
     store = default_store()
     # append_rows fsyncs off the event loop: a blocking fsync (~3-10 ms on a
     # disk) would stall every other call of this worker.
@@ -253,11 +265,17 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     def count_request() -> None:
         sent[0] = info.attempt
 
+    # Text and tool-argument deltas go to the task's workflow stream while
+    # the model generates (batched: each publish is a Signal; see deltas.py).
+    deltas = DeltaPublisher(
+        round=inp.round, attempt=info.attempt,
+        interval_s=settings.stream_deltas_s if inp.stream else 0.0,
+    )
     try:
         # The heartbeat details carry the request count: a timeout reports
         # only the last heartbeat's details, and provider_calls must still
         # count every request (DESIGN §5).
-        async with heartbeating(lambda: {"attempt": info.attempt, "requests": sent[0]}):
+        async with heartbeating(lambda: {"attempt": info.attempt, "requests": sent[0]}), deltas:
             call = adapter.sample(
                 client,
                 base_url=base_url,
@@ -269,6 +287,7 @@ async def _sample(inp: SampleInput) -> SamplingResult:
                 max_tokens=inp.max_tokens,
                 stream=inp.stream,
                 on_progress=lambda: None,
+                on_delta=deltas.on_delta,
                 temperature=inp.temperature,
                 top_p=inp.top_p,
                 idle_timeout_s=settings.sampling_idle_timeout_s,

@@ -793,6 +793,9 @@ class AgentTaskResult(_Model):
         unflushed_rows: Ledger rows no host could take when the task ended
             (its host was lost): they enter history here, so the transcript
             served from Temporal is whole (DESIGN §7).
+        undelivered_messages: User messages the task accepted (``message``
+            Update) but ended before the model saw them: reported here, and
+            in a ledger row, instead of being lost silently.
     """
 
     task_id: str
@@ -806,6 +809,7 @@ class AgentTaskResult(_Model):
     evidence: dict[str, Any] | None = None
     host_id: str | None = None
     unflushed_rows: list[LedgerRow] = Field(default_factory=list)
+    undelivered_messages: list[str] = Field(default_factory=list)
 
     @classmethod
     def from_failure(cls, err: BaseException | None) -> AgentTaskResult | None:
@@ -874,6 +878,8 @@ EventKind = Literal[
     "task_wait_done",
     "host_claimed",
     "host_lost",
+    "assistant_delta",
+    "tool_args_delta",
 ]
 
 
@@ -891,6 +897,13 @@ class TaskEvent(_Model):
             ledger file when the event is ``turn_aborted`` or
             ``task_finished``).
         result: The task result, on ``task_finished``.
+        attempt: The sampling attempt a delta belongs to
+            (``assistant_delta`` / ``tool_args_delta``, published by the
+            sampling activity while the model generates): a retried call
+            streams again from the start, so a watcher drops the deltas of
+            an earlier attempt. Deltas never reach the ledger; the whole
+            message arrives as ``assistant_text`` (and the tool calls as
+            ``tool_call_started``).
     """
 
     kind: EventKind
@@ -901,6 +914,7 @@ class TaskEvent(_Model):
     ok: bool | None = None
     last_seq: int = 0
     result: AgentTaskResult | None = None
+    attempt: int = 0
 
 
 class InterruptResult(_Model):

@@ -6,6 +6,7 @@ one clause. Each class lives where its concern lives and is listed here::
 
     StoplineError
     ├── UsageError                      stopline.cli: a command-line or set-up problem (exit 2)
+    ├── EmbeddedServerError             stopline.worker.runtime: the embedded server or worker did not come up
     ├── ConfigError                     bad settings: a malformed key or address
     │   └── CodecKeyError               stopline.worker.codec
     ├── ConversationInvalid             stopline.core.policies: a transcript a provider would reject

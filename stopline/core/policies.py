@@ -16,6 +16,8 @@ sandbox.
 
 from __future__ import annotations
 
+import re
+
 from stopline.core.contracts import (
     LedgerRow,
     Message,
@@ -336,3 +338,53 @@ def cap_text(text: str, limit: int) -> str:
     half = limit // 2
     omitted = len(text) - 2 * half
     return f"{text[:half]}\n[... {omitted} characters omitted ...]\n{text[-half:]}"
+
+
+_FROM_WORKFLOW = re.compile(
+    r"^Cancel requested by workflow with run id (?P<run>\S+) with reason: ?(?P<reason>.*)$", re.S
+)
+
+
+def cancel_stop_reason(reason: str | None) -> str:
+    """The stop reason of a thread that ended on a workflow cancel request.
+
+    A cancel is named as a cancel (``stopline stop``, ``task_stop``, a
+    parent's end, ``stopline down`` and ``temporal workflow cancel`` are all
+    Temporal workflow cancels), with the reason its sender gave
+    (``workflow.cancellation_reason()``), so a result never claims a stop
+    came from somewhere it did not.
+
+    Args:
+        reason: The cancel request's reason: ``None`` when no cancel request
+            arrived, ``""`` when it gave none.
+
+    Returns:
+        One sentence for the result's ``reason``.
+    """
+    if reason is None:
+        return "stopped: its run was cancelled"
+    # A cancel from another workflow (a parent's task_stop or end) reaches
+    # the target as the server's sentence around the sender's reason.
+    m = _FROM_WORKFLOW.match(reason)
+    if m:
+        reason = m["reason"] or f"sent by workflow run {m['run']}"
+    reason = reason.strip()
+    if not reason:
+        return "cancelled by a workflow cancel request (no reason given)"
+    return f"cancelled by a workflow cancel request: {reason}"
+
+
+def undelivered_note(texts: list[str]) -> str:
+    """The ledger row's text for messages a thread accepted but never delivered.
+
+    Args:
+        texts: The messages, in the order they were accepted.
+
+    Returns:
+        What happened to them, in one paragraph (each message quoted, capped).
+    """
+    quoted = "; ".join(repr(cap_text(t, 200)) for t in texts)
+    return (
+        f"{len(texts)} message(s) accepted while the task ran were never delivered to the "
+        f"model: the task ended first. Undelivered: {quoted}"
+    )

@@ -26,6 +26,15 @@ NOT_CONTINUABLE = (
     "reference this task's artifact paths or branch."
 )
 
+#: The same sentence for a person at the CLI (``message``, ``status``,
+#: ``stop``), naming the CLI's verbs; the model-facing one above keeps
+#: naming the tools the model has.
+NOT_CONTINUABLE_CLI = (
+    "This task was stopped by a provider refusal and cannot be continued with "
+    "`stopline message`. Start a new task with another model — `stopline run "
+    "--model PROVIDER:MODEL …`; it may reference this task's artifact paths or branch."
+)
+
 #: What stands in for a quarantined external increment (seed 000 §2).
 QUARANTINE_PLACEHOLDER = (
     "[an external update was withheld here because the provider declined to "

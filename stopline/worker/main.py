@@ -39,11 +39,11 @@ from stopline.secrets import make_undumpable
 from stopline.settings import Settings, load_settings
 from stopline.worker.codec import codec_from_settings
 from stopline.worker.runtime import (
+    acquire_embedded,
     build_workers,
     configured_address,
     connect,
-    dev_server,
-    start_dev_server,
+    release_embedded,
 )
 from stopline.worker.telemetry import worker_runtime
 
@@ -94,6 +94,39 @@ async def _retention_loop(client: Client, settings: Settings, log: Any) -> None:
         await asyncio.sleep(every)
 
 
+#: How long a starting worker waits for the embedded server to answer: the
+#: embedded runtime starts the server and the worker at once.
+CONNECT_WAIT_S = 60.0
+#: Set by the embedded runtime for the background worker it starts together
+#: with the server (``stopline.worker.runtime.start_background_worker``):
+#: seconds to wait for the server to answer.
+CONNECT_WAIT_ENV = "STOPLINE_CONNECT_WAIT_S"
+
+
+async def _connect_when_up(
+    settings: Settings, address: str | None, runtime: Any, log: Any, wait_s: float
+) -> Client:
+    """Connect, retrying for up to ``wait_s`` while the server is starting."""
+    from stopline.core.errors import ConfigError
+
+    deadline = asyncio.get_running_loop().time() + wait_s
+    said = False
+    while True:
+        try:
+            return await connect(settings, address=address, runtime=runtime)
+        except ConfigError:
+            raise  # no address, a malformed profile: waiting will not help
+        except Exception as err:
+            if asyncio.get_running_loop().time() >= deadline:
+                if wait_s <= 0:
+                    raise
+                raise RuntimeError(f"Temporal did not answer within {wait_s:g}s: {err}") from None
+            if not said:
+                log.info("waiting_for_temporal", address=address or configured_address(settings))
+                said = True
+            await asyncio.sleep(0.2)
+
+
 async def run_worker() -> None:
     """Run the workers until SIGTERM / SIGINT."""
     make_undumpable()
@@ -129,16 +162,22 @@ async def run_worker() -> None:
             consequence="shell calls of tasks without allow_unconfined are refused; "
             "tasks with it run commands unconfined, with a ledger row per call",
         )
-    started_server = False
+    lease = None
     address = configured_address(settings)
     embedded = None
     if not address:
-        was_running = dev_server(settings).pid() is not None
-        address = embedded = start_dev_server(settings)
-        started_server = not was_running
+        # The embedded server, shared: this worker leases it like any
+        # command, and the last lease out stops it (runtime.acquire_embedded).
+        held = await acquire_embedded(settings, with_worker=False)
+        address = embedded = held.address
+        lease = held.lease
     # a configured cluster: TLS, mTLS, API key from envconfig; the embedded
     # server: a plain connection to the address we started
-    client = await connect(settings, address=embedded, runtime=runtime)
+    # The embedded server may still be starting (this worker's lease, or the
+    # CLI started us together with it and said so): wait for it, bounded. A
+    # configured cluster that does not answer is an error at once.
+    wait_s = CONNECT_WAIT_S if embedded is not None else float(os.environ.pop(CONNECT_WAIT_ENV, "0") or 0)
+    client = await _connect_when_up(settings, embedded, runtime, log, wait_s)
     workers = build_workers(client, settings)
     # Everything imported and built so far lives as long as the process:
     # keep it out of the garbage collector's full passes, which otherwise
@@ -164,8 +203,8 @@ async def run_worker() -> None:
     for r in runs:
         if r.done() and r.exception() is not None:
             log.error("worker_failed", error=str(r.exception()))
-    if started_server:
-        dev_server(settings).stop()
+    if lease is not None:
+        await release_embedded(settings, lease)
     log.info("worker_stopped")
 
 

@@ -9,6 +9,8 @@ stray server from another run is never the one we talk to or kill.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -17,7 +19,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ from temporalio.client import Client
 from temporalio.runtime import Runtime as TemporalRuntime
 from temporalio.worker import Worker
 
+from stopline.core.errors import StoplineError
 from stopline.settings import Settings
 
 #: Environment variable naming the pipe a spawned worker reads its secrets from.
@@ -238,6 +243,7 @@ def build_workers(
     settings: Settings,
     *,
     task_queue: str | None = None,
+    workflow_options: dict[str, Any] | None = None,
 ) -> list[Worker]:
     """The workers of one stopline host (DESIGN §7): the workflow task queue's,
     then the host workers (:func:`build_host_workers`).
@@ -254,6 +260,8 @@ def build_workers(
         client: Connected client.
         settings: Settings.
         task_queue: Workflow task queue (default ``settings.task_queue``).
+        workflow_options: More ``Worker`` options for the workflow-queue
+            worker (tests: ``interceptors``).
 
     Returns:
         Three workers, not yet running: workflow queue, pool, own queue.
@@ -266,7 +274,8 @@ def build_workers(
     host_workers = build_host_workers(client, settings, task_queue=tq, plugin=plugin)
     extra: dict[str, Any] = {} if plugin is on_client else {"plugins": [plugin]}
     workflow_worker = Worker(
-        client, task_queue=tq, identity=host_workers[0].config()["identity"], **extra
+        client, task_queue=tq, identity=host_workers[0].config()["identity"], **extra,
+        **(workflow_options or {}),
     )
     return [workflow_worker, *host_workers]
 
@@ -459,9 +468,16 @@ def start_dev_server(settings: Settings, *, wait_s: float = 60.0) -> str:
             f"port {settings.dev_server_port} is in use by a process stopline did not start; "
             f"set TEMPORAL_ADDRESS to use it, or STOPLINE_DEV_SERVER_PORT to pick another port"
         )
+    _spawn_dev_server(settings)
+    _wait_port(settings.dev_server_port, wait_s, managed)
+    return address
+
+
+def _spawn_dev_server(settings: Settings) -> int:
+    """Spawn ``temporal server start-dev`` (PID file); returns at once."""
     settings.home.mkdir(parents=True, exist_ok=True)
-    _spawn(
-        managed,
+    return _spawn(
+        dev_server(settings),
         [
             temporal_binary(), "server", "start-dev",
             "--ip", "127.0.0.1",
@@ -473,8 +489,6 @@ def start_dev_server(settings: Settings, *, wait_s: float = 60.0) -> str:
             *_search_attribute_flags(),
         ],
     )
-    _wait_port(settings.dev_server_port, wait_s, managed)
-    return address
 
 
 def _search_attribute_flags() -> list[str]:
@@ -504,7 +518,9 @@ def start_background_worker(settings: Settings, address: str) -> int:
     """Start ``python worker.py``-equivalent in the background (PID file).
 
     It gets the provider and codec keys on a pipe, not in its environment
-    (:func:`_spawn`).
+    (:func:`_spawn`), and ``TEMPORAL_ADDRESS``, so it neither starts nor
+    leases the server itself: the embedded runtime manages both
+    (:func:`acquire_embedded`).
 
     Args:
         settings: Settings (passed through the environment).
@@ -523,5 +539,392 @@ def start_background_worker(settings: Settings, address: str) -> int:
     env["TEMPORAL_ADDRESS"] = address
     env["STOPLINE_HOME"] = str(settings.home)
     env["STOPLINE_TASK_QUEUE"] = settings.task_queue
+    # it may start before the server answers (they start together)
+    env["STOPLINE_CONNECT_WAIT_S"] = "60"
     secrets = {k: os.environ[k] for k in SECRET_ENV_NAMES if os.environ.get(k)}
     return _spawn(managed, [sys.executable, "-m", "stopline.worker.main"], env=env, secrets=secrets)
+
+
+# ---------------------------------------------------------------------------
+# Sharing the embedded server: one server and one worker for many commands.
+# ---------------------------------------------------------------------------
+
+#: How long a command waits for another one starting or stopping the
+#: embedded server (they hold its lock for seconds, not minutes).
+EMBEDDED_LOCK_WAIT_S = 180.0
+
+
+class EmbeddedServerError(StoplineError):
+    """The embedded dev server or its worker could not be started or reached."""
+
+
+@dataclass
+class Lease:
+    """One command's hold on the embedded server and worker.
+
+    A lease is a file ``$STOPLINE_HOME/run/leases/<pid>-<token>`` naming the
+    holding process and its start time, so a holder that died (SIGKILL, a
+    crash) is recognised as gone — even when its PID has been reused — and
+    does not keep the server up.
+    """
+
+    path: Path
+
+    @property
+    def token(self) -> str:
+        """The lease's file name."""
+        return self.path.name
+
+
+@dataclass
+class EmbeddedRuntime:
+    """What :func:`acquire_embedded` found or started.
+
+    Attributes:
+        address: The frontend ``host:port``.
+        lease: This command's lease (release it with :func:`release_embedded`).
+        started_server: This call started the dev server.
+        started_worker: This call started the background worker.
+        worker_pid: The process serving this home as its host.
+    """
+
+    address: str
+    lease: Lease
+    started_server: bool
+    started_worker: bool
+    worker_pid: int | None
+
+
+def _run_dir(settings: Settings) -> Path:
+    run = settings.home / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def _process_started(pid: int) -> float | None:
+    """A process's start time (seconds since the epoch), ``None`` if it is gone."""
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:
+        return 0.0
+
+
+def _live_leases(settings: Settings) -> list[Path]:
+    """Lease files whose holder is alive; the others are removed."""
+    leases = _run_dir(settings) / "leases"
+    if not leases.is_dir():
+        return []
+    live = []
+    for path in sorted(leases.iterdir()):
+        try:
+            pid_text, started_text = path.read_text().split()
+            pid, started = int(pid_text), float(started_text)
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        now_started = _process_started(pid)
+        if now_started is None or (now_started and abs(now_started - started) > 1.0):
+            path.unlink(missing_ok=True)  # its holder died without releasing it
+            continue
+        live.append(path)
+    return live
+
+
+def pinned_path(settings: Settings) -> Path:
+    """The file whose presence keeps the embedded server up with no lease
+    (written by ``stopline up``, a detached ``run``, ``chat``; removed by ``down``)."""
+    return settings.home / "run" / "pinned"
+
+
+def pin_embedded(settings: Settings, why: str) -> None:
+    """Keep the embedded server and worker running until ``stopline down``.
+
+    Args:
+        settings: Settings (home).
+        why: Who pinned it (kept in the file, for people).
+    """
+    _run_dir(settings)
+    pinned_path(settings).write_text(why + "\n")
+
+
+@contextlib.asynccontextmanager
+async def embedded_lock(settings: Settings, wait_s: float = EMBEDDED_LOCK_WAIT_S) -> AsyncIterator[None]:
+    """Hold ``$STOPLINE_HOME/run/embedded.lock`` while starting or stopping.
+
+    Every decision to start or stop the embedded server or its worker is
+    made under this lock, so two commands never both start a server on one
+    port, and none stops a server another has just leased. An ``flock``: the
+    kernel drops it if the holder dies.
+
+    Raises:
+        EmbeddedServerError: The lock was not free within ``wait_s`` (the
+            holder's pid is named).
+    """
+    import fcntl
+
+    path = _run_dir(settings) / "embedded.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    raise EmbeddedServerError(
+                        f"another stopline command (pid {holder}) has held {path} for over "
+                        f"{wait_s:g}s while starting or stopping the embedded server"
+                    ) from None
+                await asyncio.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+async def wait_frontend_ready(
+    settings: Settings, address: str, *, wait_s: float = 60.0, managed: Managed | None = None
+) -> None:
+    """Wait until the frontend answers a real call, not merely accepts TCP.
+
+    A dev server accepts connections a moment before its frontend serves
+    (``Frontend is not healthy yet``); ready here means ``DescribeNamespace``
+    for the configured namespace succeeds.
+
+    Args:
+        settings: Settings (namespace).
+        address: Frontend ``host:port``.
+        wait_s: Bound on the wait, seconds.
+        managed: The server process, when we run it: its death ends the wait.
+
+    Raises:
+        EmbeddedServerError: Not ready within ``wait_s`` (the last error and
+            the server's log are named), or the server process exited.
+    """
+    from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+
+    deadline = time.monotonic() + wait_s
+    last = "no answer yet"
+    while True:
+        if managed is not None and managed.pid() is None:
+            raise EmbeddedServerError(
+                f"the Temporal dev server exited while starting; see {managed.log_file}"
+            )
+        try:
+            client = await Client.connect(address, namespace=settings.temporal_namespace)
+            await client.workflow_service.describe_namespace(
+                DescribeNamespaceRequest(namespace=settings.temporal_namespace),
+                timeout=timedelta(seconds=2),
+            )
+            return
+        except Exception as err:  # not serving yet: keep waiting, within the bound
+            last = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if time.monotonic() > deadline:
+            where = f"; see {managed.log_file}" if managed is not None else ""
+            raise EmbeddedServerError(
+                f"the Temporal server at {address} did not become ready within {wait_s:g}s "
+                f"({last}){where}"
+            )
+        await asyncio.sleep(0.2)
+
+
+async def wait_worker_ready(settings: Settings, address: str, *, wait_s: float = 60.0) -> None:
+    """Wait until this home's worker polls the task queue as its host.
+
+    Raises:
+        EmbeddedServerError: The background worker exited (its log's last
+            line is quoted) or did not poll within ``wait_s``.
+    """
+    from stopline.activities.host import describe_hosts
+
+    managed = background_worker(settings)
+    client = await Client.connect(address, namespace=settings.temporal_namespace)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if managed.pid() is None and not _home_held(settings):
+            raise EmbeddedServerError(
+                f"the stopline worker exited while starting: {_last_line(managed.log_file)} "
+                f"(log: {managed.log_file})"
+            )
+        try:
+            # the worker may be writing its home's host id right now: read
+            # it only once it is whole (never create it from here)
+            host_id = _written_host_id(settings.home)
+            hosts = await describe_hosts(client, settings.task_queue, max_age_s=60) if host_id else []
+            if any(h.host_id == host_id for h in hosts):
+                return
+        except Exception:  # the server is ready (checked before); a blip: retry
+            pass
+        if time.monotonic() > deadline:
+            raise EmbeddedServerError(
+                f"the stopline worker did not poll task queue {settings.task_queue} within "
+                f"{wait_s:g}s; see {managed.log_file}"
+            )
+        await asyncio.sleep(0.1)
+
+
+def _written_host_id(home: Path) -> str | None:
+    """The host id in ``home/host.json`` once its worker has written it whole."""
+    try:
+        return str(json.loads((home / "host.json").read_text())["host_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1].strip() if lines else "(empty log)"
+
+
+def _home_held(settings: Settings) -> int | None:
+    """The pid of a live worker holding this home's lock (any worker, ours or
+    a foreground ``stopline worker``), else ``None``."""
+    import fcntl
+
+    path = settings.home / "run" / "worker.lock"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+async def acquire_embedded(
+    settings: Settings, *, wait_s: float = 60.0, with_worker: bool = True
+) -> EmbeddedRuntime:
+    """Lease the embedded dev server and this home's worker, starting what is missing.
+
+    Many commands (``run``, ``chat``, a foreground ``stopline worker``) may
+    share one server and one worker: each holds a lease while it needs them,
+    and the last to release its lease stops them (:func:`release_embedded`)
+    unless they are pinned (``stopline up``, a detached run, a chat thread).
+    Starting and stopping happen under :func:`embedded_lock`, so concurrent
+    cold starts start one server and one worker, never two.
+
+    The worker is this home's one host (DESIGN §7: one worker per home): a
+    foreground worker already holding the home is used, not duplicated.
+
+    Ready means the frontend answers ``DescribeNamespace`` and the worker
+    polls the task queue, each within ``wait_s``.
+
+    Args:
+        settings: Settings (home, ports, namespace, task queue).
+        wait_s: Bound on each readiness wait, seconds.
+        with_worker: Also start (and wait for) this home's worker; ``False``
+            for a foreground worker leasing the server it is about to serve.
+
+    Returns:
+        What is running, and this command's lease.
+
+    Raises:
+        EmbeddedServerError: The port is taken by a process stopline did not
+            start, or the server or worker did not come up (logs named).
+    """
+    import secrets
+
+    async with embedded_lock(settings):
+        server = dev_server(settings)
+        address = f"127.0.0.1:{settings.dev_server_port}"
+        started_server = False
+        if server.pid() is None:
+            if port_open("127.0.0.1", settings.dev_server_port):
+                raise EmbeddedServerError(
+                    f"port {settings.dev_server_port} is in use by a process stopline did not start; "
+                    f"set TEMPORAL_ADDRESS to use it, or STOPLINE_DEV_SERVER_PORT to pick another port"
+                )
+            _spawn_dev_server(settings)
+            started_server = True
+        # The worker starts while the server does (it waits for the server
+        # to answer): its imports take as long as the server's start.
+        started_worker = False
+        worker = background_worker(settings)
+        holder = _home_held(settings)
+        if with_worker and worker.pid() is None and holder is None:
+            start_background_worker(settings, address)
+            started_worker = True
+        await wait_frontend_ready(settings, address, wait_s=wait_s, managed=server)
+        if with_worker:
+            await wait_worker_ready(settings, address, wait_s=wait_s)
+        leases = _run_dir(settings) / "leases"
+        leases.mkdir(exist_ok=True)
+        path = leases / f"{os.getpid()}-{secrets.token_hex(4)}"
+        path.write_text(f"{os.getpid()} {_process_started(os.getpid())}\n")
+        return EmbeddedRuntime(
+            address=address, lease=Lease(path), started_server=started_server,
+            started_worker=started_worker, worker_pid=worker.pid() or holder,
+        )
+
+
+async def release_embedded(
+    settings: Settings, lease: Lease, *, still_running: Callable[[str], Awaitable[int]] | None = None
+) -> str:
+    """Give back a lease; the last one out stops the server and worker.
+
+    Nothing is stopped while another live command holds a lease, while the
+    runtime is pinned, or while tasks still run on the server (then it is
+    pinned instead, and the caller says so: ``stopline down`` stops it).
+
+    Args:
+        settings: Settings.
+        lease: The lease from :func:`acquire_embedded`.
+        still_running: Counts workflows still running on the server (given
+            the address); ``None``: do not check.
+
+    Returns:
+        ``"stopped"``, ``"kept"`` (other leases or pinned), or
+        ``"pinned"`` (tasks still run; pinned now).
+    """
+    async with embedded_lock(settings):
+        lease.path.unlink(missing_ok=True)
+        if _live_leases(settings) or pinned_path(settings).exists():
+            return "kept"
+        if dev_server(settings).pid() is None:
+            background_worker(settings).stop()
+            return "stopped"
+        if still_running is not None:
+            try:
+                running = await still_running(f"127.0.0.1:{settings.dev_server_port}")
+            except Exception:  # cannot tell: keep it rather than strand a task
+                running = -1
+            if running:
+                pin_embedded(settings, "tasks were still running when the last command ended")
+                return "pinned"
+        stop_embedded(settings)
+        return "stopped"
+
+
+def stop_embedded(settings: Settings) -> tuple[bool, bool]:
+    """Stop the background worker, then the dev server (by PID); clear leases and the pin.
+
+    Call under :func:`embedded_lock`.
+
+    Returns:
+        ``(worker stopped, server stopped)``.
+    """
+    stopped_worker = background_worker(settings).stop()
+    stopped_server = dev_server(settings).stop()
+    pinned_path(settings).unlink(missing_ok=True)
+    leases = settings.home / "run" / "leases"
+    if leases.is_dir():
+        for path in leases.iterdir():
+            path.unlink(missing_ok=True)
+    return stopped_worker, stopped_server

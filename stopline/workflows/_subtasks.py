@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import posixpath
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +20,16 @@ from temporalio.exceptions import ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
 from stopline.workflows._state import TOOL_RETRY, Child, activity_failure_reason
+
+#: ``workflow.patched`` id of a quiet end: a thread stops and awaits its
+#: running sub-tasks, and waits for its released host session to report,
+#: before it completes (no event can then arrive during its last workflow
+#: task). Histories recorded before it did neither.
+QUIET_END_PATCH = "stopline-quiet-end"
+#: How long a thread's end waits for its released host session to report.
+SESSION_END_WAIT = timedelta(seconds=5)
+#: A model reference naming a scripted scenario (served on the host).
+SCRIPTED_PREFIX = "scripted:"
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
@@ -53,6 +64,7 @@ class SubtaskMixin:
     _unaccepted: list[int]
     _host: Any
     _fleet: bool
+    _session: Any
 
     async def _run_task_tool(self, call: ToolCall) -> RespondToModel:
         """Run a sub-task tool in the workflow (child workflows)."""
@@ -75,12 +87,28 @@ class SubtaskMixin:
 
     async def _task_start(self, args: TaskStartArgs) -> RespondToModel:
         parent = workflow.info().workflow_id
-        child_id = f"{parent}.sub{len(self._children) + 1}"
+        if args.id is not None:
+            child_id = f"{parent}.{args.id}"
+            if child_id in self._children:
+                return RespondToModel(
+                    text=f"a sub-task with id {args.id!r} already exists ({child_id}); pick another id",
+                    ok=False,
+                )
+        else:
+            n = len(self._children) + 1
+            while f"{parent}.sub{n}" in self._children:  # a named one took it
+                n += 1
+            child_id = f"{parent}.sub{n}"
         limits = self._inp.limits.model_copy(
             update={"max_rounds": args.max_rounds} if args.max_rounds else {}
         )
         model = args.model or self._inp.model
         base_url = args.base_url if args.model else (args.base_url or self._inp.base_url)
+        if args.model and args.model.startswith(SCRIPTED_PREFIX):
+            # a scripted scenario is read on the host, from the workspace
+            path = args.model[len(SCRIPTED_PREFIX):]
+            model = SCRIPTED_PREFIX + posixpath.normpath(posixpath.join(self._inp.workspace, path))
+            base_url = None
         handle = await workflow.start_child_workflow(
             AGENT_TASK_WORKFLOW,
             AgentTaskInput(
@@ -109,6 +137,50 @@ class SubtaskMixin:
         self._children[child_id] = child
         asyncio.create_task(self._await_child(child))
         return RespondToModel(text=f"started task {child_id} (model {model})")
+
+    async def _session_reported(self) -> None:
+        """Wait (at most :data:`SESSION_END_WAIT`) until the host session the
+        end's flush released has reported: its completion must not arrive
+        during the thread's last workflow task (it would be rejected as
+        ``UnhandledCommand``, failing that task and any Update in flight)."""
+        session = self._session
+        if session is None or session.done():
+            return
+        try:
+            await workflow.wait_condition(session.done, timeout=SESSION_END_WAIT)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _settle_children(self, why: str) -> None:
+        """Stop the sub-tasks still running as this thread ends; wait for their results.
+
+        A thread that ended while a child ran used to complete with the
+        child's completion able to arrive in the same workflow task, which
+        Temporal rejects (``WorkflowTaskFailed … UnhandledCommand``) — and
+        the child ran on unattended, its result delivered to no one. Now the
+        cancellation tree holds (DESIGN §3: a parent's end reaches every
+        child): each running child gets a workflow cancel naming ``why``,
+        and the thread waits (at most 60 s) until every result is delivered
+        as a ``task_result`` row. Only then does it write its own end, so no
+        child event can arrive after it.
+
+        Args:
+            why: The cancel reason each child records.
+        """
+        running = [c for c in self._children.values() if not c.info.settled]
+        if not running:
+            return
+        for child in running:
+            try:
+                await workflow.get_external_workflow_handle(child.info.task_id).cancel(reason=why)
+            except Exception:  # already closed: its completion is on the way
+                pass
+        try:
+            await workflow.wait_condition(
+                lambda: all(c.info.delivered for c in running), timeout=timedelta(seconds=60)
+            )
+        except asyncio.TimeoutError:
+            pass
 
     async def _await_child(self, child: Child) -> None:
         """Deliver a child's result exactly once, as a task-result row."""
@@ -202,7 +274,9 @@ class SubtaskMixin:
             return RespondToModel(text=f"unknown task id {args.id!r}", ok=False)
         if not child.info.settled:
             try:
-                await workflow.get_external_workflow_handle(args.id).cancel()
+                await workflow.get_external_workflow_handle(args.id).cancel(
+                    reason=f"task_stop from its parent task {workflow.info().workflow_id}"
+                )
             except Exception:  # already closed: its result is on the way
                 pass
             try:

@@ -19,9 +19,10 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from stopline.workflows._engine import TurnEngine
 from stopline.workflows._placement import HostLost
 from stopline.workflows._state import End, activity_failure_reason
+from stopline.workflows._subtasks import QUIET_END_PATCH
 
 with workflow.unsafe.imports_passed_through():
-    from stopline.core import refusal
+    from stopline.core import policies, refusal
     from stopline.core.contracts import (
         AGENT_TASK_WORKFLOW,
         AgentTaskInput,
@@ -71,10 +72,13 @@ class AgentTask(TurnEngine):
                 self._set_host_state("waiting")
                 end = await self._wait_for_message()
         except asyncio.CancelledError:
-            # task_stop / workflow cancel: a stop, recorded like any other —
-            # the turn in flight is aborted as an interrupt would abort it.
+            # A workflow cancel (`stopline stop`, task_stop, a parent's end,
+            # `temporal workflow cancel`): a stop, recorded like any other and
+            # named as the cancel it was, with its sender's reason — the turn
+            # in flight is aborted as an interrupt would abort it.
+            self._state = "finishing"
             await self._abort_inflight()
-            end = End("stopped", "stopped by task_stop")
+            end = End("stopped", policies.cancel_stop_reason(workflow.cancellation_reason()))
         return await self._finish(end)
 
     async def _at_round_boundary(self) -> None:
@@ -100,7 +104,22 @@ class AgentTask(TurnEngine):
         )
 
     async def _finish(self, end: End) -> AgentTaskResult:
-        self._state = "finishing"
+        self._state = "finishing"  # from here on, `message` is refused
+        # A quiet end: sub-tasks still running are stopped and their results
+        # delivered first, and the released host session reports before the
+        # task completes — no event may arrive during its last workflow task.
+        quiet = workflow.patched(QUIET_END_PATCH)
+        if quiet:
+            await self._settle_children(
+                f"its parent task {workflow.info().workflow_id} ended ({end.status})"
+            )
+        # A message accepted while the task ran but never drained into a
+        # turn is reported, not lost (it reaches the result and the ledger).
+        undelivered = list(self._inbox)
+        self._inbox.clear()
+        if undelivered:
+            self._append("system", model_visible=False, text=policies.undelivered_note(undelivered),
+                         meta={"undelivered_messages": len(undelivered)})
         self._append("system", model_visible=False, text=f"task {end.status}: {end.reason}",
                      meta={"outcome": end.status, "refused": end.refused})
         # A normal finish closes unattended background shells; a refused (or
@@ -118,6 +137,8 @@ class AgentTask(TurnEngine):
             unflushed = self._pending_rows()
             if end.status != "failed":
                 end = End("failed", f"the ledger could not be written: {activity_failure_reason(err)}")
+        if quiet:
+            await self._session_reported()
         evidence = None
         if end.status == "stopped":
             evidence = refusal.stop_evidence(
@@ -140,6 +161,7 @@ class AgentTask(TurnEngine):
             evidence=evidence,
             host_id=self._host.host_id if self._host else None,
             unflushed_rows=unflushed,
+            undelivered_messages=undelivered,
         )
         self._state = end.status
         self._upsert(end.status)

@@ -24,10 +24,12 @@ from temporalio.exceptions import ActivityError
 from stopline.workflows._engine import TurnEngine
 from stopline.workflows._placement import HostLost
 from stopline.workflows._state import End, activity_failure_reason
+from stopline.workflows._subtasks import QUIET_END_PATCH
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
+    from stopline.core import policies
     from stopline.core.contracts import (
         CHAT_THREAD_WORKFLOW,
         AgentTaskResult,
@@ -74,10 +76,21 @@ class ChatThread(TurnEngine):
             if end is not None:
                 status, reason = end.status, end.reason
         except asyncio.CancelledError:
-            # `stopline stop` / workflow cancel: abort the turn in flight the
-            # way an interrupt would, then end as stopped, recorded.
+            # A workflow cancel (`stopline stop`, `temporal workflow cancel`):
+            # abort the turn in flight the way an interrupt would, then end
+            # as stopped, recorded, and named as the cancel it was.
+            self._closing = True
             await self._abort_inflight()
-            status, reason = "stopped", "thread stopped"
+            status, reason = "stopped", policies.cancel_stop_reason(workflow.cancellation_reason())
+        self._closing = True  # from here on, messages are refused
+        quiet = workflow.patched(QUIET_END_PATCH)  # see AgentTask._finish
+        if quiet:
+            await self._settle_children(f"its chat thread {workflow.info().workflow_id} ended ({status})")
+        undelivered = list(self._inbox)
+        self._inbox.clear()
+        if undelivered:
+            self._append("system", model_visible=False, text=policies.undelivered_note(undelivered),
+                         meta={"undelivered_messages": len(undelivered)})
         self._append("system", model_visible=False, text=f"thread {status}: {reason}",
                      meta={"outcome": status})
         unflushed: list[LedgerRow] = []
@@ -89,6 +102,8 @@ class ChatThread(TurnEngine):
         except ActivityError as err:
             unflushed = self._pending_rows()
             status, reason = "failed", f"the ledger could not be written: {activity_failure_reason(err)}"
+        if quiet:
+            await self._session_reported()
         self._state = status
         self._result = AgentTaskResult(
             task_id=workflow.info().workflow_id,
@@ -99,6 +114,7 @@ class ChatThread(TurnEngine):
             provider_calls=self._n.provider_calls,
             host_id=self._host.host_id if self._host else None,
             unflushed_rows=unflushed,
+            undelivered_messages=undelivered,
         )
         self._upsert(status)
         self._publish("task_finished", text=reason, result=self._result)
@@ -185,8 +201,15 @@ class ChatThread(TurnEngine):
         """A user message; returns when the turn it starts has ended."""
         self._inbox.append(text)
         target = len(self._turns) + 1
-        await workflow.wait_condition(lambda: len(self._turns) >= target)
-        return self._turns[target - 1]
+        await workflow.wait_condition(lambda: len(self._turns) >= target or self._result is not None)
+        if len(self._turns) >= target:
+            return self._turns[target - 1]
+        # the thread ended first: the message is in the result's undelivered list
+        assert self._result is not None
+        return TurnOutcome(
+            status=self._result.status, turn=target,
+            reason=f"not delivered: the thread ended first ({self._result.reason})",
+        )
 
     @ask.validator
     def _validate_ask(self, text: str) -> None:

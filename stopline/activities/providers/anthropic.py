@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from stopline.activities.deltas import SamplingDelta
 from stopline.activities.providers.base import (
     ErrorReport,
     ProviderError,
@@ -370,6 +371,8 @@ class StreamAssembler(StreamOutcome):
         self.stop_details: Any = None
         self.usage = Usage()
         self.stopped = False
+        #: text / argument pieces of the last event(s), for watchers
+        self.deltas: list[SamplingDelta] = []
 
     def _block(self, event: dict[str, Any], name: str) -> _Block:
         index = event.get("index")
@@ -396,8 +399,11 @@ class StreamAssembler(StreamOutcome):
             if isinstance(delta, dict):
                 if delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
                     block.text.append(delta["text"])
+                    self.deltas.append(SamplingDelta("text", delta["text"], payload["index"]))
                 elif delta.get("type") == "input_json_delta" and isinstance(delta.get("partial_json"), str):
                     block.json.append(delta["partial_json"])
+                    self.deltas.append(SamplingDelta(
+                        "tool_args", delta["partial_json"], payload["index"], block.id, block.name))
         elif kind == "message_delta":
             delta = payload.get("delta")
             if isinstance(delta, dict):

@@ -50,6 +50,7 @@ from typing import Any, Literal, Protocol
 import httpx
 import httpx_sse
 
+from stopline.activities.deltas import SamplingDelta, take_deltas
 from stopline.core.contracts import Message, SamplingResult, ToolCall, ToolSpec
 from stopline.core.errors import StoplineError
 
@@ -476,6 +477,7 @@ class WireAdapter:
         top_p: float | None = None,
         idle_timeout_s: float | None = None,
         on_request: Callable[[], None] | None = None,
+        on_delta: Callable[[SamplingDelta], None] | None = None,
     ) -> SamplingResult:
         """Make one model call (one try) and return its result.
 
@@ -507,6 +509,9 @@ class WireAdapter:
                 ``None``: the client's own read timeout.
             on_request: Called just before the request is sent (the caller
                 counts provider requests with it).
+            on_delta: Called with each text / tool-argument piece a streamed
+                event carried (the assembler's ``deltas``), so the sampling
+                activity can stream them to watchers; ``None``: not collected.
 
         Returns:
             The result; a refusal is a result (``stop_reason == "refusal"``).
@@ -554,7 +559,11 @@ class WireAdapter:
                 assembler = wire.new_stream(model=model)
                 async for sse in source.aiter_sse():
                     on_progress()
-                    if assembler.feed(sse.event, sse.data):
+                    done = assembler.feed(sse.event, sse.data)
+                    if on_delta is not None:
+                        for delta in take_deltas(assembler):
+                            on_delta(delta)
+                    if done:
                         break
                 return assembler.finish()
         except asyncio.CancelledError:

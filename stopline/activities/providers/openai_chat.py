@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from stopline.activities.deltas import SamplingDelta
 from stopline.activities.providers.base import (
     ErrorReport,
     ProviderError,
@@ -490,6 +491,8 @@ class StreamAssembler(StreamOutcome):
         self.filter_categories: list[str] = []
         self.usage = Usage()
         self.done = False
+        #: text / argument pieces of the last event(s), for watchers
+        self.deltas: list[SamplingDelta] = []
 
     def _call(self, piece: dict[str, Any]) -> _CallPieces:
         index = piece.get("index")
@@ -524,6 +527,7 @@ class StreamAssembler(StreamOutcome):
             if isinstance(delta, dict):
                 if isinstance(delta.get("content"), str):
                     self.text.append(delta["content"])
+                    self.deltas.append(SamplingDelta("text", delta["content"], -1))
                 if isinstance(delta.get("refusal"), str):
                     self.refusal.append(delta["refusal"])
                 for piece in delta.get("tool_calls") or []:
@@ -538,6 +542,9 @@ class StreamAssembler(StreamOutcome):
                             call.name = fn["name"]
                         if fn.get("arguments") is not None:
                             call.arguments.append(_raw_arguments(fn["arguments"]))
+                            self.deltas.append(SamplingDelta(
+                                "tool_args", call.arguments[-1], next(i for i, c in self.calls.items() if c is call),
+                                call.id or None, call.name or None))
             if isinstance(choice.get("finish_reason"), str):
                 self.finish_reason = choice["finish_reason"]
             self.filter_categories += _filtered_categories(choice.get("content_filter_results"))

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from stopline.activities.deltas import SamplingDelta
 from stopline.activities.providers import openai_chat
 from stopline.activities.providers.base import (
     ErrorReport,
@@ -318,6 +319,8 @@ class StreamAssembler(StreamOutcome):
         self.refusal: dict[int, list[str]] = {}
         self.arguments: dict[int, list[str]] = {}
         self.terminal: dict[str, Any] | None = None
+        #: text / argument pieces of the last event(s), for watchers
+        self.deltas: list[SamplingDelta] = []
 
     def feed(self, event: str, data: str) -> bool:
         """Take one SSE event; ``True`` on a terminal event."""
@@ -331,10 +334,14 @@ class StreamAssembler(StreamOutcome):
             self.done_items[index] = payload["item"]
         elif kind == "response.output_text.delta" and isinstance(payload.get("delta"), str):
             self.text.setdefault(index, []).append(payload["delta"])
+            self.deltas.append(SamplingDelta("text", payload["delta"], index))
         elif kind == "response.refusal.delta" and isinstance(payload.get("delta"), str):
             self.refusal.setdefault(index, []).append(payload["delta"])
         elif kind == "response.function_call_arguments.delta" and isinstance(payload.get("delta"), str):
             self.arguments.setdefault(index, []).append(payload["delta"])
+            item = self.items.get(index) or {}
+            self.deltas.append(SamplingDelta(
+                "tool_args", payload["delta"], index, item.get("call_id"), item.get("name")))
         elif kind in _TERMINAL:
             response = payload.get("response")
             self.terminal = dict(response) if isinstance(response, dict) else {}
