@@ -121,42 +121,46 @@ _identities: dict[Path, str] = {}
 def host_id_for(home: Path) -> str:
     """The host id kept in ``home/host.json``, created there on first use.
 
-    Creation is atomic (``O_EXCL``): two processes racing on a new home agree
-    on one id.
+    Creation is atomic: the file is written whole under a temporary name and
+    hard-linked into place (``link`` fails if the name exists), so two
+    processes racing on a new home agree on one id and no reader ever sees
+    a half-written file.
 
     Args:
         home: ``STOPLINE_HOME``.
 
     Returns:
         The id (``h-`` and 12 hex digits).
+
+    Raises:
+        HostError: ``host.json`` exists but is not a host file.
     """
     home = Path(home)
-    cached = _identities.get(home)
-    if cached is not None and (home / "host.json").exists():
-        return cached
     path = home / "host.json"
+    cached = _identities.get(home)
+    if cached is not None and path.exists():
+        return cached
     home.mkdir(parents=True, exist_ok=True)
-    for _ in range(3):
-        try:
-            data = json.loads(path.read_text())
-            host_id = str(data["host_id"])
-            _identities[home] = host_id
-            return host_id
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError) as err:
-            raise HostError(f"{path} is not a stopline host file ({err}); remove it to get a new host id") from None
+    if not path.exists():
         new = {"host_id": f"h-{uuid.uuid4().hex[:12]}",
                "created_at": datetime.now(timezone.utc).isoformat()}
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            continue
-        with os.fdopen(fd, "w") as f:
+        tmp = home / f".host.json.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        with open(tmp, "w") as f:
             json.dump(new, f)
             f.flush()
             os.fsync(f.fileno())
-    return host_id_for(home)
+        try:
+            os.link(tmp, path)  # whole, or not at all; the loser reads the winner's
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        host_id = str(json.loads(path.read_text())["host_id"])
+    except (OSError, ValueError, KeyError) as err:
+        raise HostError(f"{path} is not a stopline host file ({err}); remove it to get a new host id") from None
+    _identities[home] = host_id
+    return host_id
 
 
 def identity(settings: Settings | None = None) -> HostIdentity:
