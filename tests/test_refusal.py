@@ -520,3 +520,35 @@ async def test_stopping_a_chat_thread_is_a_recorded_ending(
     rows = _rows(stopline_home, thread_id)
     assert next(r for r in rows if r.call_id == "c1").meta.get("aborted")
     assert rows[-1].kind == "system" and rows[-1].meta["outcome"] == "stopped"
+
+
+@pytest.mark.usefixtures("worker")
+async def test_the_refusal_path_runs_in_the_seed_order_with_one_stop_model(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
+) -> None:
+    """Record → disposition → persist the stop row → end (seed 000): the
+    ledger holds, in this order and nothing between, the hidden ``refusal``
+    verdict, the assistant's own accepted text, the ``provider-refusal-stop``
+    row and the task's end; the stop row's meta, the result's refusal and the
+    status query's refusal are one and the same ``RefusalStop``."""
+    from stopline.core.contracts import RefusalStop
+
+    server = scripted(scenario("anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "list_dir", {})])),
+        _refusal("I will stop here.", stop_details={"type": "refusal", "category": "cyber"})))
+    handle = await _start(client, task_queue, server, workspace)
+    result = await handle.result()
+
+    rows = LedgerStore(stopline_home / "ledger").read(handle.id)
+    kinds = [r.kind for r in rows]
+    at = kinds.index("refusal")
+    assert kinds[at:] == ["refusal", "assistant", "provider-refusal-stop", "system"], kinds
+    assert rows[at + 1].text == "I will stop here." and rows[at + 1].model_visible
+    assert not rows[at].model_visible and not rows[at + 2].model_visible
+    stop = RefusalStop.model_validate(rows[at + 2].meta)
+    assert stop == result.refusal == RefusalStop(provider="anthropic", category="cyber", round=2,
+                                                 tool="list_dir")
+    assert (await handle.query("status", result_type=TaskStatus)).refusal == stop
+    assert result.status == "stopped" and result.refused and rows[-1].meta["outcome"] == "stopped"
+    events = [e.kind for e in await _events(client, handle.id)]
+    assert events.index("refusal") < events.index("task_finished")

@@ -29,7 +29,7 @@ from stopline.core.contracts import (
     AgentTaskResult,
     LedgerFlushInput,
     LedgerRow,
-    RefusalInfo,
+    RefusalStop,
     RespondToModel,
     SampleInput,
     SamplingResult,
@@ -40,7 +40,7 @@ from stopline.core.contracts import (
 from stopline.core.search_attributes import literal
 
 #: A task's run chain: (workflow id, run id) -> refusal in another run, or None.
-_guard_cache: dict[tuple[str, str], RefusalInfo | None] = {}
+_guard_cache: dict[tuple[str, str], RefusalStop | None] = {}
 
 
 async def _decode(client: Any, payloads: Any, type_hint: Any) -> Any:
@@ -161,7 +161,7 @@ async def rows_from_history(client: Any, workflow_id: str, run_id: str | None = 
     return out
 
 
-async def chain_refusal(client: Any, workflow_id: str, run_id: str, chain_id: str) -> RefusalInfo | None:
+async def chain_refusal(client: Any, workflow_id: str, run_id: str, chain_id: str) -> RefusalStop | None:
     """A refusal stop recorded in another run of this task's chain, if any.
 
     The runs of one chain share ``first_execution_run_id`` (continue-as-new
@@ -185,7 +185,7 @@ async def chain_refusal(client: Any, workflow_id: str, run_id: str, chain_id: st
     key = (workflow_id, run_id)
     if key in _guard_cache:
         return _guard_cache[key]
-    found: RefusalInfo | None = None
+    found: RefusalStop | None = None
     query = f"WorkflowId = {literal(workflow_id)} AND StoplineRefused = true"
     async for wf in client.list_workflows(query):
         if wf.run_id == run_id:
@@ -201,11 +201,11 @@ async def chain_refusal(client: Any, workflow_id: str, run_id: str, chain_id: st
             if payloads.payloads:
                 result = await _decode(client, payloads, AgentTaskResult)
                 if result.refused:
-                    found = result.refusal or RefusalInfo(provider="unknown")
+                    found = result.refusal or RefusalStop(provider="unknown")
                     break
         # a run terminated by the reset while refused-but-not-finished:
         # StoplineRefused is only set at the stop itself, so it is one
-        found = RefusalInfo(provider="unknown")
+        found = RefusalStop(provider="unknown")
         break
     _guard_cache[key] = found
     return found

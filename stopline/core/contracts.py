@@ -636,7 +636,7 @@ class ThreadCarry(_Model):
     last_tool: str | None = None
     accepted_upto: int = 0
     unaccepted_increments: list[int] = Field(default_factory=list)
-    refusal_stop: dict[str, Any] | None = None
+    refusal_stop: RefusalStop | None = None
     children: list[ChildInfo] = Field(default_factory=list)
     inbox: list[str] = Field(default_factory=list)
     runs: int = 1
@@ -805,7 +805,7 @@ class AgentTaskResult(_Model):
     rounds: int = 0
     final_text: str = ""
     provider_calls: int = 0
-    refusal: RefusalInfo | None = None
+    refusal: RefusalStop | None = None
     evidence: dict[str, Any] | None = None
     host_id: str | None = None
     unflushed_rows: list[LedgerRow] = Field(default_factory=list)
@@ -832,13 +832,30 @@ class AgentTaskResult(_Model):
         return None
 
 
-class RefusalInfo(_Model):
-    """Where a refusal stopped a task: never its content (seed 000 §4)."""
+class RefusalStop(_Model):
+    """Where a refusal stopped a thread — the one shape of a refusal stop.
+
+    The same model is the workflow's state, the ``provider-refusal-stop``
+    ledger row's ``meta``, the value carried over continue-as-new, the
+    result's ``refusal`` and what a parent's receipt is rendered from. Only
+    where it stopped, never why in the provider's words or what triggered
+    it (seed 000 §4): a parent, a status query and a CLI may all see it.
+
+    Attributes:
+        provider: Provider id.
+        category: The provider's category, if given (``cyber_policy`` …).
+        round: Sampling round of the refusal.
+        tool: Name of the last tool the thread called, if any.
+    """
 
     provider: str
     category: str | None = None
     round: int = 0
     tool: str | None = None
+
+
+#: The name the result and status fields had before there was one model.
+RefusalInfo = RefusalStop
 
 
 class TaskStatus(_Model):
@@ -857,7 +874,7 @@ class TaskStatus(_Model):
     round: int
     rows: int
     result: AgentTaskResult | None = None
-    refusal: RefusalInfo | None = None
+    refusal: RefusalStop | None = None
     stop_reason: str | None = None
     note: str | None = None
     host: HostClaim | None = None

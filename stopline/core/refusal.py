@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from stopline.core.contracts import RefusalStop
+
 #: A usage source starting with this marks an automatic-fix task (seed 000 §2).
 FIX_USAGE_PREFIX = "fix:"
 
@@ -144,23 +146,6 @@ def disposition(
     if reprobes_used < reprobe_limit:
         return Disposition("reprobe", candidate=min(now_skipped))
     return Disposition("freeze")
-
-
-@dataclass(frozen=True)
-class RefusalStop:
-    """Where a task stopped — the only facts a receipt may carry (seed 000 §4).
-
-    Attributes:
-        provider: Provider id.
-        category: The provider's category, if given.
-        round: Sampling round of the refusal.
-        tool: Name of the last tool the task called, if any.
-    """
-
-    provider: str
-    category: str | None
-    round: int
-    tool: str | None = None
 
 
 def refusal_receipt(stop: RefusalStop, assistant_text: str) -> str:

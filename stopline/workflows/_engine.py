@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
         EVENTS_TOPIC,
         FATAL_TOOL_ERROR,
         ActivityTool,
+        RefusalStop,
         SAMPLE_ACTIVITY,
         TOOL_ACTIVITY,
         AgentTaskResult,
@@ -137,7 +138,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         self._quarantine_used = 0
         self._accepted_upto = carry.accepted_upto if carry else 0
         self._unaccepted: list[int] = list(carry.unaccepted_increments) if carry else []
-        self._refusal_stop: dict[str, Any] | None = carry.refusal_stop if carry else None
+        self._refusal_stop: RefusalStop | None = carry.refusal_stop if carry else None
         self._turn_text = ""
         self._children: dict[str, Child] = {
             c.task_id: Child(c) for c in (carry.children if carry else [])

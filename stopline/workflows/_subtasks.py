@@ -201,11 +201,7 @@ class SubtaskMixin:
             return
         result = child.info.result
         if result.refused and result.refusal is not None:
-            stop = refusal.RefusalStop(
-                provider=result.refusal.provider, category=result.refusal.category,
-                round=result.refusal.round, tool=result.refusal.tool,
-            )
-            text = refusal.refusal_receipt(stop, result.final_text)
+            text = refusal.refusal_receipt(result.refusal, result.final_text)
         else:
             text = f"Task {result.task_id} {result.status}: {result.reason}."
             if result.final_text:
