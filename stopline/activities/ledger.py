@@ -1,10 +1,15 @@
-"""The ledger store: one append-only JSONL file per task, fsynced.
+"""The ledger store: one append-only JSONL file per task on the host that runs it.
 
 The workflow decides what enters the ledger; this module only writes what it
 is given, in seq order, and reads it back. Rows are never rewritten: an
 append whose rows are already in the file (a retried activity, a replayed
-flush after a worker crash) skips them, so a write that was fsynced before a
-crash is there exactly once after it (DESIGN §5).
+flush after a worker crash) skips them, so a row is there exactly once after
+a crash (DESIGN §5). The truth is Temporal history — every row enters it
+once — and the file is this host's cache of it: a host that lacks rows
+rebuilds them from history (:func:`append_rows`, DESIGN §7). The flushes at
+an abort and at a task's end are fsynced (a watcher re-reads the file the
+moment it sees the event, seed 002); the rows riding on a model call need
+not be.
 
 Ledger writes cost no round trip of their own: the sampling activity appends
 the workflow's pending rows before it reads the transcript
@@ -27,6 +32,7 @@ import asyncio
 import json
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import structlog
@@ -75,6 +81,42 @@ _locks: dict[Path, threading.RLock] = {}
 # Parsed rows per ledger file: (bytes consumed, rows). Only complete lines.
 _cache: dict[Path, tuple[int, list[LedgerRow]]] = {}
 _locks_guard = threading.Lock()
+
+
+class _StagedContent:
+    """Staged row content of this worker process, bounded (oldest dropped).
+
+    An entry lives from the activity that produced it until the next
+    activity of its task appends the row (normally one round). One that is
+    dropped, or never here (a restart, another host), is rebuilt from
+    history; the bound only keeps tasks that vanished mid-round from holding
+    memory.
+    """
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self._items: OrderedDict[tuple[str, str, str], bytes] = OrderedDict()
+        self._bytes = 0
+        self._max = max_bytes
+        self._lock = threading.Lock()
+
+    def put(self, key: tuple[str, str, str], data: bytes) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            self._bytes += len(data) - (len(old) if old else 0)
+            self._items[key] = data
+            while self._bytes > self._max and len(self._items) > 1:
+                _, dropped = self._items.popitem(last=False)
+                self._bytes -= len(dropped)
+
+    def take(self, key: tuple[str, str, str]) -> bytes | None:
+        with self._lock:
+            data = self._items.pop(key, None)
+            if data is not None:
+                self._bytes -= len(data)
+            return data
+
+
+_staged = _StagedContent()
 
 
 def _lock_for(path: Path) -> threading.RLock:
@@ -148,8 +190,8 @@ class LedgerStore:
             _cache[path] = (offset, rows)
         return rows
 
-    def append(self, task_id: str, rows: list[LedgerRow]) -> int:
-        """Append rows not yet in the file, then fsync.
+    def append(self, task_id: str, rows: list[LedgerRow], *, durable: bool = True) -> int:
+        """Append rows not yet in the file, then fsync (when ``durable``).
 
         A row whose seq the file already holds is skipped when it is the same
         append (a retried activity); when it is not, the workflow was reset
@@ -161,6 +203,11 @@ class LedgerStore:
         Args:
             task_id: Task id.
             rows: Rows in seq order.
+            durable: fsync before returning. The flush at an abort and at a
+                task's end must (a watcher re-reads the file at the event,
+                seed 002); the rows a sampling call carries need not — the
+                file is a cache of Temporal history, and rows a machine
+                crash took are rebuilt from it (:class:`LedgerGap`).
 
         Returns:
             The number of rows written.
@@ -203,7 +250,8 @@ class LedgerStore:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, data)
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             if last == 0:
@@ -249,8 +297,15 @@ class LedgerStore:
         call's text and tool calls) stages it here; the workflow then sends
         the row with ``meta["staged"] = key`` and no content, so the content
         enters workflow history once — as the activity's result — not again
-        in the next activity's input (DESIGN §5). fsynced: a crash after the
-        activity reported must not lose what its row will need.
+        in the next activity's input (DESIGN §5).
+
+        Kept in this worker process's memory, not on disk: the next activity
+        of the task on this host (the one that appends the row) runs in the
+        same process, and when it does not find the content — a restarted
+        worker, an evicted entry, another host — the row is rebuilt from the
+        activity result in Temporal history (:class:`StagedMissing`, DESIGN
+        §7). So a round writes and fsyncs no staging file (it used to write
+        two).
 
         Args:
             task_id: Task id.
@@ -258,28 +313,20 @@ class LedgerStore:
             content: ``{"text": ...}`` and, for a sampling call,
                 ``{"tool_calls": [...]}``.
         """
-        path = self._staged_path(task_id, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, self.redactor.bytes(json.dumps(content).encode()))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        _staged.put((str(self.root), task_id, key), self.redactor.bytes(json.dumps(content).encode()))
 
     def _staged_path(self, task_id: str, key: str) -> Path:
         return self.path(task_id).parent / "staged" / f"{safe_component(key)}.json"
 
     def _unstage(self, task_id: str, row: LedgerRow) -> LedgerRow:
-        """Fill a staged row's content from its staging file."""
+        """Fill a staged row's content from this process's staging (or a
+        staging file an earlier version left)."""
         key = row.meta.get("staged")
         if not key:
             return row
-        path = self._staged_path(task_id, str(key))
+        raw = _staged.take((str(self.root), task_id, str(key)))
         try:
-            content = json.loads(path.read_text())
+            content = json.loads(raw if raw is not None else self._staged_path(task_id, str(key)).read_bytes())
         except (OSError, ValueError) as err:
             raise StagedMissing(
                 f"row {row.seq} of {task_id}: staged content {key!r} is not on this host ({err})"
@@ -337,12 +384,15 @@ def default_store() -> LedgerStore:
     return LedgerStore(settings.ledger_dir, redactor=current_redactor(settings))
 
 
-async def append_rows(store: LedgerStore, task_id: str, rows: list[LedgerRow]) -> int:
+async def append_rows(
+    store: LedgerStore, task_id: str, rows: list[LedgerRow], *, durable: bool = True
+) -> int:
     """Append rows; when this host lacks earlier rows, rebuild them from
     Temporal history first (DESIGN §7: the transcript outlives its host).
 
     Must run inside an activity of the task's workflow (its history is
-    fetched with the activity's client).
+    fetched with the activity's client). ``durable``: fsync (see
+    :meth:`LedgerStore.append`).
 
     Returns:
         The number of rows written by the final append.
@@ -355,15 +405,15 @@ async def append_rows(store: LedgerStore, task_id: str, rows: list[LedgerRow]) -
     # wait on this disk (3-10 ms per fsync, bench/bench_throughput.py).
     try:
         try:
-            return await asyncio.to_thread(store.append, task_id, rows)
+            return await asyncio.to_thread(store.append, task_id, rows, durable=durable)
         except (LedgerGap, StagedMissing) as why:
             from stopline.activities.history import rows_from_history
 
             info = activity.info()
             full = await rows_from_history(activity.client(), info.workflow_id, info.workflow_run_id)
             log.warning("ledger_rebuilt", task_id=task_id, reason=str(why), rows=len(full))
-            await asyncio.to_thread(store.append, task_id, full)
-            return await asyncio.to_thread(store.append, task_id, rows)
+            await asyncio.to_thread(store.append, task_id, full, durable=durable)
+            return await asyncio.to_thread(store.append, task_id, rows, durable=durable)
     except LedgerCorrupt as err:
         raise ApplicationError(str(err), type="LedgerCorrupt", non_retryable=True) from None
 

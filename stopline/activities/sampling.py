@@ -232,9 +232,10 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             ) from e
         inp = inp.model_copy(update={"model": ref, "base_url": url})
     store = default_store()
-    # append_rows fsyncs off the event loop: a blocking fsync (~3-10 ms on a
-    # disk) would stall every other call of this worker.
-    await append_rows(store, inp.task_id, inp.pending_rows)
+    # The rows a model call carries need no fsync (the file is a cache of
+    # Temporal history, rebuilt from it after a machine crash); the write
+    # itself still runs off the event loop.
+    await append_rows(store, inp.task_id, inp.pending_rows, durable=False)
     all_rows = store.read(inp.task_id)
     persisted = _persisted_refusal(inp, all_rows) or await _chain_refusal(inp)
     if persisted is not None:
