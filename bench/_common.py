@@ -28,19 +28,19 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import structlog
 from rich.console import Console
 from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
-
-import psutil
 
 from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
 from stopline.core.search_attributes import ALL as SEARCH_ATTRIBUTES
 from stopline.testing.scripted import ScriptedServer
+from stopline.testing.workers import running_workers
+from stopline.testing.workers import wait_until as _wait_until
 from stopline.worker.runtime import temporal_binary
 
 #: Wide enough for the tables when the output is piped to a file.
@@ -98,18 +98,8 @@ async def dev_server(extra_args: list[str] | None = None) -> AsyncIterator[Workf
         await env.shutdown()
 
 
-@asynccontextmanager
-async def running(workers: list[Worker]) -> AsyncIterator[list[Worker]]:
-    """Run ``workers`` in this process for the block; shut them down after."""
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    try:
-        yield workers
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            if not r.done():
-                r.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
+#: Run workers for a block, shut down after (also on failure).
+running = running_workers
 
 
 def fresh_queue(prefix: str) -> str:
@@ -156,14 +146,9 @@ async def start_task(
 
 
 async def wait_until(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
-    """Poll ``predicate`` every 5 ms until truthy; return its value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.005)
-    raise TimeoutError(f"timed out waiting for {what or predicate}")
+    """:func:`stopline.testing.workers.wait_until`, polling every 5 ms: the
+    benchmarks time what they wait for."""
+    return await _wait_until(predicate, timeout_s, what, interval_s=0.005)
 
 
 def read_nonempty(path: Path) -> str | None:

@@ -10,7 +10,6 @@ Set ``STOPLINE_TEST_TEMPORAL_ADDRESS`` to run against an existing server.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -26,9 +25,10 @@ from temporalio.worker import Worker
 
 from stopline.core import search_attributes
 from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
-from stopline.worker.runtime import build_workers, temporal_binary
-from stopline.testing.scripted import ScriptedServer
 from stopline.settings import load_settings
+from stopline.testing.scripted import ScriptedServer
+from stopline.testing.workers import running_workers
+from stopline.worker.runtime import build_workers, temporal_binary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,16 +104,8 @@ async def worker(
     client: Client, task_queue: str, stopline_home: Path
 ) -> AsyncIterator[list[Worker]]:
     """In-process workers serving ``task_queue`` (workflows and activities)."""
-    settings = load_settings()
-    workers = build_workers(client, settings, task_queue=task_queue)
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    try:
+    async with running_workers(build_workers(client, load_settings(), task_queue=task_queue)) as workers:
         yield workers
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            if not r.done():
-                r.cancel()
 
 
 @pytest.fixture

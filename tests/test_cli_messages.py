@@ -26,6 +26,7 @@ from stopline.core.policies import cancel_stop_reason
 from stopline.core.refusal import NOT_CONTINUABLE, NOT_CONTINUABLE_CLI
 from stopline.settings import load_settings
 from stopline.testing.scripted import anthropic_message, entry, scenario
+from stopline.testing.workers import running_workers
 from stopline.worker.runtime import build_workers, connect, free_port
 from tests.conftest import start_task
 
@@ -163,8 +164,7 @@ async def test_cannot_decode_without_the_key(
     settings = load_settings(codec_key=base64.b64encode(os.urandom(32)).decode())
     secure = await connect(settings, address=_address(client))
     workers = build_workers(secure, settings, task_queue=task_queue)
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    try:
+    async with running_workers(workers):
         server = scripted(scenario("anthropic", entry(anthropic_message("secret answer"))))
         handle = await start_task(secure, task_queue, server, workspace)
         assert (await handle.result()).status == "completed"
@@ -176,10 +176,6 @@ async def test_cannot_decode_without_the_key(
             assert out.returncode == 2, (args, out.stderr)
             assert _one_line(out.stderr, "error:") == want, args
             assert "Traceback" not in out.stderr, args
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            r.cancel()
 
 
 # ------------------------------------------------------------ what a task says

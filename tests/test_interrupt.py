@@ -21,10 +21,17 @@ from temporalio.worker import Replayer
 from stopline.activities.ledger import LedgerStore
 from stopline.activities.tools.shell import shell_id_for
 from stopline.core import policies
-from stopline.core.contracts import EVENTS_TOPIC, InterruptResult, LedgerRow, TaskEvent, TaskStatus
+from stopline.core.contracts import (
+    EVENTS_TOPIC,
+    InterruptResult,
+    LedgerRow,
+    TaskEvent,
+    TaskStatus,
+)
 from stopline.testing.scripted import anthropic_message, entry, scenario
-from tests.conftest import start_task
+from stopline.testing.workers import running_workers
 from stopline.workflows.agent_task import AgentTask
+from tests.conftest import start_task
 
 # "unconfined": these tests follow each command by the pid it prints ($$),
 # which a sandbox renumbers; tests/test_sandbox.py covers interrupts in it
@@ -325,15 +332,14 @@ async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace
     """The irreversible step: a worker the cancel cannot reach in time (no
     push path, heartbeats throttled to 30 s) still gets the turn aborted —
     the workflow stops waiting at the grace timer, the flush kills the group."""
-    from stopline.worker.runtime import build_workers
     from stopline.settings import load_settings
+    from stopline.worker.runtime import build_workers
 
     monkeypatch.setenv("STOPLINE_HEARTBEAT_THROTTLE_S", "30")
     monkeypatch.setenv("STOPLINE_PUSH_CANCEL", "0")
     queue = f"slow-{uuid.uuid4().hex[:8]}"
     workers = build_workers(client, load_settings(), task_queue=queue)
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    try:
+    async with running_workers(workers):
         server = scripted(scenario(
             "anthropic",
             entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
@@ -349,7 +355,3 @@ async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace
         assert rows[-1].kind == "turn_aborted"
         assert next(r for r in rows if r.call_id == "c1").text.startswith("aborted by user")
         await handle.terminate()
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            r.cancel()

@@ -26,6 +26,10 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from stopline.core import search_attributes
+from stopline.core.contracts import AgentTaskResult
+from stopline.settings import load_settings
+from stopline.testing.scripted import anthropic_message, entry, scenario
+from stopline.testing.workers import running_workers
 from stopline.worker import runtime
 from stopline.worker.codec import (
     ENCODING,
@@ -37,10 +41,12 @@ from stopline.worker.codec import (
     key_id,
     parse_key,
 )
-from stopline.core.contracts import AgentTaskResult
-from stopline.worker.runtime import WORKER_SHUTDOWN_GRACE_S, build_workers, connect, free_port
-from stopline.testing.scripted import anthropic_message, entry, scenario
-from stopline.settings import load_settings
+from stopline.worker.runtime import (
+    WORKER_SHUTDOWN_GRACE_S,
+    build_workers,
+    connect,
+    free_port,
+)
 from stopline.worker.telemetry import build_runtime, tracing_interceptors
 from tests.conftest import start_task
 
@@ -367,8 +373,7 @@ async def test_encrypted_task_history_is_unreadable_without_the_key(
     settings = load_settings(codec_key=_key())
     secure = await connect(settings, address=_address(client))
     workers = build_workers(secure, settings, task_queue=task_queue)
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    try:
+    async with running_workers(workers):
         server = scripted(scenario(
             "anthropic",
             entry(anthropic_message(
@@ -381,11 +386,6 @@ async def test_encrypted_task_history_is_unreadable_without_the_key(
         assert result.status == "completed" and result.final_text == answer
         # the model really received the prompt: encryption is only at rest
         assert prompt in json.dumps(server.requests()[0]["body"])
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            if not r.done():
-                r.cancel()
 
     plain_handle = client.get_workflow_handle(handle.id, result_type=AgentTaskResult)
     history = await plain_handle.fetch_history()
@@ -409,16 +409,10 @@ async def test_replay_of_an_encrypted_history_needs_the_key(
     settings = load_settings(codec_key=_key())
     secure = await connect(settings, address=_address(client))
     workers = build_workers(secure, settings, task_queue=task_queue)
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    try:
+    async with running_workers(workers):
         server = scripted(scenario("anthropic", entry(anthropic_message("done"))))
         handle = await start_task(secure, task_queue, server, workspace)
         assert (await handle.result()).status == "completed"
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            if not r.done():
-                r.cancel()
     history = await handle.fetch_history()
     assert (await replay(history, data_converter(settings))).ok
     without = await replay(history, pydantic_data_converter)

@@ -14,8 +14,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from stopline.core.contracts import (
 )
 from stopline.settings import Settings, load_settings
 from stopline.testing.scripted import anthropic_message, entry, scenario
+from stopline.testing.workers import running_workers, wait_until
 from stopline.worker.runtime import build_workers, connect
 from tests.conftest import start_task
 
@@ -47,28 +47,9 @@ GRACE_S = 0.1
 DEFAULT_THROTTLE_S = Settings.model_fields["heartbeat_throttle_s"].default
 
 
-@asynccontextmanager
-async def _workers(client: Client, queue: str, **overrides: Any) -> AsyncIterator[list[Worker]]:
+def _workers(client: Client, queue: str, **overrides: Any) -> AbstractAsyncContextManager[list[Worker]]:
     """In-process workers for ``queue`` with settings overrides; shut down after."""
-    workers = build_workers(client, load_settings(**overrides), task_queue=queue)
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    try:
-        yield workers
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            if not r.done():
-                r.cancel()
-
-
-async def _wait_for(pred: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    return running_workers(build_workers(client, load_settings(**overrides), task_queue=queue))
 
 
 def _read(path: Path) -> str | None:
@@ -147,7 +128,7 @@ async def test_the_abort_runs_in_the_seed_order_and_the_cancel_is_pushed(
         entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
     ))
     handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S)
-    pgid = int(await _wait_for(lambda: _read(workspace / "pid"), what="the tool's pid"))
+    pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
     await asyncio.sleep(0.2)
     res = await handle.execute_update("interrupt", result_type=InterruptResult)
     assert res.interrupted and res.aborted_calls == ["c1"]
@@ -207,8 +188,8 @@ async def test_a_term_ignoring_tool_is_termed_then_killed_after_the_grace(
         "anthropic", entry(anthropic_message(tool_calls=[("c1", "shell", {"command": command})])),
     ))
     handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=grace)
-    pgid = int(await _wait_for(lambda: _read(workspace / "pid"), what="the tool's pid"))
-    await _wait_for(lambda: _read(workspace / "ticks"), what="the first tick")
+    pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
+    await wait_until(lambda: _read(workspace / "ticks"), what="the first tick")
     res = await handle.execute_update("interrupt", result_type=InterruptResult)
     assert res.aborted_calls == ["c1"]
     assert _group_alive(pgid) == []
@@ -236,12 +217,12 @@ async def test_a_dropped_sampling_call_counts_and_the_task_goes_on(
         entry(anthropic_message("fine, done")),
     ))
     handle = await start_task(client, task_queue, server, workspace)
-    await _wait_for(lambda: server.request_count() >= 1, what="the sampling request")
+    await wait_until(lambda: server.request_count() >= 1, what="the sampling request")
     await asyncio.sleep(0.2)
     res = await handle.execute_update("interrupt", result_type=InterruptResult)
     assert res.interrupted
     # dropped by push, not by a heartbeat (none is due for 5 s)
-    await _wait_for(lambda: server.requests()[0]["disconnected"], timeout=3.0, what="the hang-up")
+    await wait_until(lambda: server.requests()[0]["disconnected"], timeout_s=3.0, what="the hang-up")
     await handle.execute_update("message", "just finish")
     result = await handle.result()
     assert result.status == "completed" and result.final_text == "fine, done"
@@ -270,7 +251,7 @@ async def test_task_stop_reaches_the_running_call_by_push(
         entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
     ))
     handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S)
-    pgid = int(await _wait_for(lambda: _read(workspace / "pid"), what="the tool's pid"))
+    pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
     await asyncio.sleep(0.2)
     await handle.cancel()
     result: AgentTaskResult = await handle.result()
@@ -304,9 +285,9 @@ async def test_with_the_push_path_broken_the_temporal_cancel_still_aborts_cleanl
         handle = await start_task(client, queue, server, workspace, interrupt_grace_s=GRACE_S)
         pgid = None
         if what == "tool":
-            pgid = int(await _wait_for(lambda: _read(workspace / "pid"), what="the tool's pid"))
+            pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
         else:
-            await _wait_for(lambda: server.request_count() >= 1, what="the sampling request")
+            await wait_until(lambda: server.request_count() >= 1, what="the sampling request")
         await asyncio.sleep(0.2)
         res = await handle.execute_update("interrupt", result_type=InterruptResult)
         assert res.interrupted
@@ -373,7 +354,7 @@ async def test_heartbeat_rate_at_the_defaults_is_within_its_bound(
             entry(anthropic_message("done")),
         ))
         handle = await start_task(client, queue, server, workspace)  # default limits
-        await _wait_for(lambda: (workspace / "started").exists(), what="the tool")
+        await wait_until(lambda: (workspace / "started").exists(), what="the tool")
         heartbeats()  # drain what came before the call
         t0 = time.monotonic()
         result = await handle.result()

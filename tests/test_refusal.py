@@ -39,6 +39,7 @@ from stopline.core.contracts import (
 )
 from stopline.core.refusal import NOT_CONTINUABLE, NOT_FORWARDED, QUARANTINE_PLACEHOLDER
 from stopline.testing.scripted import anthropic_message, entry, scenario
+from stopline.testing.workers import running_workers
 from stopline.workflows.agent_task import AgentTask
 from stopline.workflows.chat_thread import ChatThread, TurnOutcome
 
@@ -316,14 +317,13 @@ async def test_task_message_to_refused_task_fails_with_the_sentence(
 async def test_task_message_after_a_worker_restart_fails_with_zero_model_calls(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
 ) -> None:
-    from stopline.worker.runtime import build_workers
     from stopline.settings import load_settings
+    from stopline.worker.runtime import build_workers
 
     server = scripted(scenario("anthropic", _refusal()))
     for phase in ("before", "after"):
         workers = build_workers(client, load_settings(), task_queue=task_queue)
-        runs = [asyncio.create_task(w.run()) for w in workers]
-        try:
+        async with running_workers(workers):
             if phase == "before":
                 handle = await _start(client, task_queue, server, workspace)
                 assert (await handle.result()).refused
@@ -333,10 +333,6 @@ async def test_task_message_after_a_worker_restart_fails_with_zero_model_calls(
                         client, LedgerStore(stopline_home / "ledger"), handle.id, "continue please"
                     )
                 assert str(exc.value) == NOT_CONTINUABLE
-        finally:
-            await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-            for r in runs:
-                r.cancel()
     assert server.request_count() == 1
 
 
