@@ -950,6 +950,9 @@ def cmd_follow(args: argparse.Namespace, settings: Settings) -> int:
             offset = await WorkflowStreamClient.create(client, args.id).get_offset()
         if running or not args.from_now:
             renderer = EventRenderer(console, as_json=args.json)
+            if running:  # the Ctrl-C handler is installed before the next await
+                err_console.print(f"[dim]following {escape(args.id)}{' from now' if args.from_now else ''}: "
+                                  "Ctrl-C interrupts its turn, a second Ctrl-C detaches[/dim]")
             outcome = await _follow_with_interrupts(client, handle, renderer, from_offset=offset)
             renderer.close()
             if outcome == "detached":

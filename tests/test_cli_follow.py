@@ -44,6 +44,7 @@ from stopline.testing.scripted import (
     openai_response,
     scenario,
 )
+from stopline.testing.workers import running_workers
 
 
 def _address(client: Client) -> str:
@@ -64,17 +65,18 @@ def _cli(env: dict[str, str], *args: str, timeout: float = 90) -> subprocess.Com
 
 
 class _Lines:
-    """A subprocess's stdout read line by line, each with its arrival time."""
+    """A subprocess's stdout (or stderr) read line by line, each with its arrival time."""
 
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
+    def __init__(self, proc: subprocess.Popen[str], stream: str = "stdout") -> None:
         self.proc = proc
         self.lines: list[tuple[float, str]] = []
+        self._stream = getattr(proc, stream)
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        assert self._stream is not None
+        for line in self._stream:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     async def wait_for(self, needle: str, timeout: float = 60) -> None:
@@ -221,13 +223,15 @@ async def test_follow_shows_new_events_and_ctrl_c_interrupts_then_detaches(
     proc = subprocess.Popen([sys.executable, "-m", "stopline.cli", "follow", task_id, "--from-now"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out = _Lines(proc)
-        await asyncio.sleep(2.0)  # attached: it shows nothing older than now
+        out, errs = _Lines(proc), _Lines(proc, "stderr")
+        await errs.wait_for(f"following {task_id} from now", timeout=60)  # Ctrl-C is handled from here
+        await asyncio.sleep(1.0)  # attached: it shows nothing older than now
         proc.send_signal(signal.SIGINT)
         await out.wait_for("turn aborted by user", timeout=60)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
-        err = proc.stderr.read() if proc.stderr else ""
+        errs._thread.join(timeout=10)  # the rest of stderr, to its end
+        err = errs.text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -288,9 +292,8 @@ async def test_a_watcher_outlives_a_failed_workflow_task(
     workers = build_workers(client, load_settings(), task_queue=task_queue, workflow_options={
         "interceptors": [_FailAPollOnce(task_id, counter)],
     })
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    seen: list[TaskEvent] = []
-    try:
+    async with running_workers(workers):
+        seen: list[TaskEvent] = []
         server = scripted(scenario(
             "anthropic",
             {**entry(anthropic_message(tool_calls=[("c1", "list_dir", {})])), "delay_s": 1.0},
@@ -299,10 +302,6 @@ async def test_a_watcher_outlives_a_failed_workflow_task(
         handle = await start_task(client, task_queue, server, workspace, task_id=task_id)
         await asyncio.wait_for(_follow(client, task_id, seen.append), 60)
         result = await client.get_workflow_handle(task_id, result_type=AgentTaskResult).result()
-    finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
-        for r in runs:
-            r.cancel()
     assert result.status == "completed"
     history = await handle.fetch_history()
     assert EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED in [e.event_type for e in history.events]
