@@ -213,30 +213,26 @@ class _PipeReader:
         loop.add_reader(fd, self._ready)
 
     def _ready(self) -> None:
+        self._read_once()
+
+    def _read_once(self) -> bool:
+        """One read into the capture; closes at EOF. False when nothing more is there now."""
         try:
             data = os.read(self.fd, READ_CHUNK)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
-        if data:
-            self._capture.feed(self._stream, data)
-        else:
+        if not data:
             self.close()
+            return False
+        self._capture.feed(self._stream, data)
+        return True
 
     def read_available(self) -> None:
         """Take whatever is in the pipe right now, without waiting."""
-        while self.fd >= 0:
-            try:
-                data = os.read(self.fd, READ_CHUNK)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self.close()
-                return
-            self._capture.feed(self._stream, data)
+        while self.fd >= 0 and self._read_once():
+            pass
 
     def close(self) -> None:
         """Stop reading and close the fd (idempotent)."""
