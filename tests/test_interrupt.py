@@ -299,6 +299,32 @@ async def test_interrupt_is_idempotent(
     await handle.terminate()
 
 
+async def test_stop_after_an_interrupt_adds_only_the_stop(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    """An interrupted turn's calls have their one result each: a ``task_stop``
+    of the waiting task (or ``stopline down``) adds the stop row, not a
+    second receipt and marker (seed 002)."""
+    server = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})])),
+    ))
+    handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S)
+    await _wait_for(workspace / "pid")
+    res, _ = await _interrupt(handle)
+    assert res.interrupted and res.aborted_calls == ["c1"]
+    await _wait_state(handle, "waiting")
+    await handle.cancel(reason="stopline stop")
+    result = await handle.result()
+    assert result.status == "stopped"
+    kinds = [r.kind for r in _rows(stopline_home, handle.id)]
+    assert kinds.count("tool_result") == 1 and kinds.count("turn_aborted") == 1, kinds
+    assert kinds[-1] == "system"
+    history = await handle.fetch_history()
+    replayer = Replayer(workflows=[AgentTask], data_converter=client.data_converter)
+    assert (await replayer.replay_workflow(history)).replay_failure is None
+
+
 async def test_interrupted_history_replays_deterministically(
     client: Client, task_queue: str, scripted: Any, workspace: Path
 ) -> None:

@@ -41,6 +41,7 @@ from stopline.workflows._ledger import LedgerMixin
 from stopline.workflows._placement import HostLost, PlacementMixin
 from stopline.workflows._refusal import RefusalMixin
 from stopline.workflows._state import (
+    ABORT_ONCE_PATCH,
     ABORTED,
     PUSH_CANCEL_PATCH,
     PUSH_CANCEL_RETRY,
@@ -352,6 +353,8 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                     [r for r in running if not r.settled],
                     finished=[r.call.id for r in running if r.settled],
                 )
+                if workflow.patched(ABORT_ONCE_PATCH):
+                    self._inflight_calls = []  # each has its one result now (seed 002)
                 return ABORTED
             if self._host_gone_now() and not any(r.handle.done() and not r.settled for r in running):
                 end = await self._lose_host_calls(running)

@@ -42,6 +42,10 @@ PUSH_CANCEL_TIMEOUT = timedelta(seconds=30)
 #: ``workflow.patched`` id of the push cancel: histories recorded before it
 #: (an abort that issued only Temporal cancels) replay without it.
 PUSH_CANCEL_PATCH = "push-cancel"
+#: ``workflow.patched`` id of "an interrupted turn's calls are done with":
+#: before it, a ``task_stop`` after an interrupt aborted the same calls again
+#: and wrote their receipts and the marker twice.
+ABORT_ONCE_PATCH = "stopline-abort-once"
 
 #: Events kept in the workflow stream across continue-as-new.
 STREAM_ITEMS_CARRIED = 200
