@@ -359,7 +359,7 @@ def _check_model(model: str, settings: Settings) -> str:
     try:
         provider, _ = parse_model_ref(model)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{e}; or scripted:FILE for a scripted scenario") from None
     key = settings.anthropic_api_key if provider == "anthropic" else settings.openai_api_key
     if key is None and provider != "openai-compat" and not _configured(settings):
         name = "ANTHROPIC_API_KEY" if provider == "anthropic" else "OPENAI_API_KEY"
@@ -368,6 +368,25 @@ def _check_model(model: str, settings: Settings) -> str:
             f"errors (retried by Temporal, then the task fails)[/yellow]"
         )
     return model
+
+
+def _base_url(flag: str | None, model: str, settings: Settings) -> str | None:
+    """The base URL a task is started with: ``--base-url``, else the
+    provider's ``*_BASE_URL`` set in this command's environment, else
+    ``None`` (the worker's own setting).
+
+    The model call runs on a worker, which may have been started long
+    before this command (``stopline up``, another host): a base URL set
+    on the command line must travel with the task to reach it. Not a
+    secret, so it may enter history (keys never do).
+    """
+    if flag:
+        return flag
+    provider = model.partition(":")[0]
+    field = {"anthropic": "anthropic_base_url"}.get(provider, "openai_base_url")
+    if provider == "scripted" or field not in settings.model_fields_set:
+        return None
+    return getattr(settings, field)
 
 
 # ---------------------------------------------------------------------------
@@ -700,6 +719,7 @@ async def _run_task(
     task_id: str | None = None,
     reuse: str = "fail",
     host: str | None = None,
+    base_url: str | None = None,
 ) -> int:
     from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
     from temporalio.exceptions import WorkflowAlreadyStartedError
@@ -720,7 +740,7 @@ async def _run_task(
                 AGENT_TASK_WORKFLOW,
                 AgentTaskInput(
                     prompt=prompt, model=model, workspace=str(workspace.resolve()),
-                    limits=limits, host=host,
+                    limits=limits, host=host, base_url=_base_url(base_url, model, settings),
                 ),
                 id=task_id,
                 task_queue=settings.task_queue,
@@ -907,7 +927,10 @@ def _limits(args: argparse.Namespace) -> TaskLimits:
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    """``--max-tokens``, ``--temperature``, ``--top-p`` (defaults: the settings)."""
+    """``--base-url``, ``--max-tokens``, ``--temperature``, ``--top-p`` (defaults: the settings)."""
+    parser.add_argument("--base-url", metavar="URL",
+                        help="the provider's base URL for this task (default: $ANTHROPIC_BASE_URL or "
+                             "$OPENAI_BASE_URL here, else the worker's)")
     parser.add_argument("--max-tokens", type=int,
                         help="output token limit per model call (default $STOPLINE_MAX_TOKENS or 4096)")
     parser.add_argument("--temperature", type=float,
@@ -921,7 +944,7 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(_run_task(
         settings, prompt=args.prompt, model=args.model, workspace=Path(args.workspace),
         limits=_limits(args), detach=args.detach, as_json=args.json, host=args.host,
-        task_id=args.id, reuse=args.reuse,
+        task_id=args.id, reuse=args.reuse, base_url=args.base_url,
     ))
 
 
@@ -1362,6 +1385,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
                     CHAT_THREAD_WORKFLOW,
                     ChatThreadInput(
                         model=model, workspace=str(Path(args.workspace).resolve()), limits=_limits(args),
+                        base_url=_base_url(args.base_url, model, settings),
                     ),
                     id=thread_id, task_queue=settings.task_queue,
                 )

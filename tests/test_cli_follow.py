@@ -309,3 +309,23 @@ async def test_a_watcher_outlives_a_failed_workflow_task(
     assert kinds[-1] == "task_finished" and kinds.count("task_finished") == 1
     assert kinds.count("assistant_text") == 1 and kinds.count("turn_started") == 2
     assert len(counter.read_text().splitlines()) > 2  # polls went on after the failed one
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("how", ["environment", "flag"])
+async def test_a_base_url_given_to_run_reaches_a_worker_started_before(
+    env: dict[str, str], scripted: Any, workspace: Path, how: str
+) -> None:
+    """The worker was started without the base URL (``stopline up`` before
+    the command): the one on ``run``'s command line travels with the task."""
+    assert "OPENAI_BASE_URL" not in os.environ  # the worker's own environment has none
+    server = scripted(scenario("openai-chat", entry(openai_chat_completion("from the scripted server"))))
+    args = ["run", "hi", "--model", "openai-compat:local", "--workspace", str(workspace), "--json"]
+    if how == "flag":
+        args += ["--base-url", server.url]
+    else:
+        env = {**env, "OPENAI_BASE_URL": server.url}
+    run = await asyncio.to_thread(_cli, env, *args)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1])["status"] == "completed"
+    assert [r["path"] for r in server.requests() if r["method"] == "POST"] == ["/chat/completions"]
