@@ -22,6 +22,7 @@ from temporalio.worker import Worker
 from stopline import AgentTaskInput, AgentTaskResult, StoplinePlugin, TaskLimits, activity_tool, task_result
 from stopline.core.contracts import InterruptResult, LedgerRow
 from stopline.testing import anthropic_message, entry, scenario
+from stopline.testing.workers import wait_until
 from tests._team import TeamParent, lookup, slow
 from tests.conftest import provider_for
 
@@ -137,3 +138,33 @@ async def test_the_teams_workflow_runs_an_agent_task_as_a_child_and_gets_its_typ
         )
     assert isinstance(result, AgentTaskResult)
     assert result.status == "completed" and result.final_text == "k9 is value-of-k9", result
+
+
+async def test_a_team_worker_on_a_home_another_worker_serves_refuses_to_start(
+    client: Client, task_queue: str, stopline_home: Path,
+) -> None:
+    """One host per STOPLINE_HOME for the plugin's host workers too (DESIGN §7):
+    a team worker beside a running ``stopline-worker`` on the same home says so."""
+    from stopline.activities.host import HomeLock, HostInUse
+
+    held = HomeLock(stopline_home).acquire()  # as a running stopline-worker holds it
+    try:
+        worker = Worker(client, task_queue=f"{task_queue}-team", workflows=[TeamParent],
+                        plugins=[StoplinePlugin(host=True)])
+        with pytest.raises(HostInUse, match="already serves"):
+            await asyncio.wait_for(worker.run(), 30)
+    finally:
+        held.release()
+
+    def taken() -> bool:
+        try:
+            HomeLock(stopline_home).acquire().release()
+        except HostInUse:
+            return True
+        return False
+
+    # once it is free, the team worker starts, holds the home while it runs, and lets go
+    async with Worker(client, task_queue=f"{task_queue}-team2", workflows=[TeamParent],
+                      plugins=[StoplinePlugin(host=True)]):
+        await wait_until(taken, 30, "the team worker's hold on the home")
+    assert not taken()

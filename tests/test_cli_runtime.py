@@ -117,7 +117,7 @@ def test_up_pins_the_server_and_runs_lease_it(cli_env: dict[str, str], tmp_path:
         assert run.returncode == 0, run.stderr
         assert port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
         second = _stopline(cli_env, "worker", timeout=60)
-        assert second.returncode == 1
+        assert second.returncode == 2  # a set-up error
         assert "already serves" in second.stderr and "one worker per STOPLINE_HOME" in second.stderr
     finally:
         down = _stopline(cli_env, "down")

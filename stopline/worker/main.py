@@ -222,9 +222,15 @@ def main(argv: list[str] | None = None) -> None:
             "dev server when unset. Configuration: environment (see README, Configuration)."
         ),
     ).parse_args(argv)
+    from stopline.activities.host import HostInUse
+    from stopline.core.errors import ConfigError
+
     code = 0
     try:
         asyncio.run(run_worker())
+    except (ConfigError, HostInUse) as err:  # set-up: exit 2, as the CLI's usage errors
+        print(f"worker failed: {err}", file=sys.stderr)
+        code = 2
     except Exception as err:  # reported, then a non-zero exit
         print(f"worker failed: {err}", file=sys.stderr)
         code = 1

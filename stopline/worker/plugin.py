@@ -134,10 +134,18 @@ class StoplinePlugin(SimplePlugin):
         if not self.host or worker.task_queue in self._host_queues:
             await next(worker)
             return
-        extra = self.host_workers(worker.client, worker.task_queue)
-        runs = [asyncio.create_task(w.run()) for w in extra]
+        from stopline.activities.host import HomeLock
+
+        # One host per STOPLINE_HOME, as stopline-worker (DESIGN §7): the
+        # host id and the ledgers live there. Raises HostInUse, naming the pid.
+        lock = HomeLock(self.settings.home).acquire()
         try:
-            await next(worker)
+            extra = self.host_workers(worker.client, worker.task_queue)
+            runs = [asyncio.create_task(w.run()) for w in extra]
+            try:
+                await next(worker)
+            finally:
+                await asyncio.gather(*(w.shutdown() for w in extra), return_exceptions=True)
+                await asyncio.gather(*runs, return_exceptions=True)
         finally:
-            await asyncio.gather(*(w.shutdown() for w in extra), return_exceptions=True)
-            await asyncio.gather(*runs, return_exceptions=True)
+            lock.release()
