@@ -1097,9 +1097,28 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
     from stopline.activities.history import rows_from_history
     from stopline.core.search_attributes import literal
 
-    async def rows_of(client: Any, run_id: str | None) -> list[LedgerRow]:
+    async def held_rows(client: Any) -> list[LedgerRow]:
+        """A running task's own rows (its ``ledger`` Query): the ones no
+        activity has carried into history yet. Nothing when it is not
+        running or no worker answers — the history's rows stand alone."""
+        from temporalio.client import WorkflowExecutionStatus
+
+        handle = client.get_workflow_handle(args.id)
         try:
-            return await rows_from_history(client, args.id, run_id)
+            if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                return []
+        except RPCError:
+            return []  # no such task: the history read says so
+        try:
+            return await handle.query("ledger", result_type=list[LedgerRow], rpc_timeout=QUERY_TIMEOUT)
+        except Exception as err:  # still a transcript: what history holds
+            err_console.print(f"[yellow]the running task did not answer ({escape(_first_line(err))}): "
+                              f"rows it holds but has not yet written are not shown[/yellow]")
+            return []
+
+    async def rows_of(client: Any, run_id: str | None, pending: list[LedgerRow] | None = None) -> list[LedgerRow]:
+        try:
+            return await rows_from_history(client, args.id, run_id, pending or ())
         except RPCError as err:
             raise UsageError(f"no task {args.id}: {err.message}") from None
         except Exception as err:
@@ -1111,7 +1130,7 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
     async def go() -> int:
         client = await _client(settings)
         if not args.all_runs:
-            _print_rows(await rows_of(client, None), args.json)
+            _print_rows(await rows_of(client, None, await held_rows(client)), args.json)
             return 0
         runs = [wf async for wf in client.list_workflows(f"WorkflowId = {literal(args.id)}")]
         if not runs:

@@ -36,7 +36,7 @@ from temporalio.worker import (
 from stopline.activities.deltas import SamplingDelta, coalesce
 from stopline.activities.ledger import LedgerStore
 from stopline.activities.providers.registry import WIRE_TO_PROVIDER, get_adapter
-from stopline.core.contracts import Message, TextPart, ToolSpec
+from stopline.core.contracts import Message, TaskStatus, TextPart, ToolSpec
 from stopline.testing.scripted import (
     anthropic_message,
     entry,
@@ -44,7 +44,7 @@ from stopline.testing.scripted import (
     openai_response,
     scenario,
 )
-from stopline.testing.workers import running_workers
+from stopline.testing.workers import running_workers, wait_until
 
 
 def _address(client: Client) -> str:
@@ -329,3 +329,31 @@ async def test_a_base_url_given_to_run_reaches_a_worker_started_before(
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1])["status"] == "completed"
     assert [r["path"] for r in server.requests() if r["method"] == "POST"] == ["/chat/completions"]
+
+
+@pytest.mark.usefixtures("worker", "unconfined")
+async def test_transcript_of_a_running_task_shows_the_message_whose_calls_run(
+    client: Client, env: dict[str, str], scripted: Any, workspace: Path,
+) -> None:
+    """The model's message is a row the moment its tool calls start, though
+    no activity has carried it into history yet: the transcript has it, as
+    ``status`` counts it."""
+    server = scripted(scenario("anthropic", entry(anthropic_message(
+        "listing, then waiting", tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})]))))
+    task_id = f"task-{uuid.uuid4().hex[:8]}"
+    run = await asyncio.to_thread(_cli, env, "run", "go", "--model", "anthropic:scripted",
+                                  "--base-url", server.url, "--workspace", str(workspace),
+                                  "--id", task_id, "--detach")
+    assert run.returncode == 0, run.stderr
+    try:
+        await wait_until(lambda: (workspace / "pid").exists(), 30, "the tool call")
+        out = await asyncio.to_thread(_cli, env, "transcript", task_id, "--json")
+        assert out.returncode == 0, out.stderr
+        rows = [json.loads(line) for line in out.stdout.splitlines()]
+        status = await client.get_workflow_handle(task_id).query("status", result_type=TaskStatus)
+        assert len(rows) == status.rows, (rows, status)
+        (message,) = [r for r in rows if r["kind"] == "assistant"]
+        assert message["text"] == "listing, then waiting"
+        assert [c["id"] for c in message["tool_calls"]] == ["c1"]
+    finally:
+        await client.get_workflow_handle(task_id).cancel(reason="test cleanup")

@@ -20,6 +20,7 @@ workflow recorded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from stopline.core.contracts import (
@@ -76,7 +77,9 @@ async def run_chain(client: Any, workflow_id: str, run_id: str | None) -> list[A
     return list(reversed(histories))
 
 
-async def rows_from_history(client: Any, workflow_id: str, run_id: str | None = None) -> list[LedgerRow]:
+async def rows_from_history(
+    client: Any, workflow_id: str, run_id: str | None = None, pending: Sequence[LedgerRow] = ()
+) -> list[LedgerRow]:
     """Rebuild a task's ledger rows, in seq order, from its history.
 
     Args:
@@ -84,6 +87,10 @@ async def rows_from_history(client: Any, workflow_id: str, run_id: str | None = 
             ``STOPLINE_CODEC_KEY``, decrypts — the payloads).
         workflow_id: The task id.
         run_id: The run whose branch to rebuild; ``None`` for the latest.
+        pending: A running task's own rows (its ``ledger`` Query): those it
+            decided but no activity has carried yet — e.g. the model's
+            message while its tool calls run — are added, their staged
+            content filled from history like the others.
 
     Returns:
         The rows as the ledger file holds them: staged rows filled in from
@@ -141,6 +148,8 @@ async def rows_from_history(client: Any, workflow_id: str, run_id: str | None = 
                         continue
                     for row in result.unflushed_rows:
                         rows.setdefault(row.seq, row)
+    for row in pending:
+        rows.setdefault(row.seq, row)
     out = []
     for seq in sorted(rows):
         row = rows[seq]
