@@ -1172,11 +1172,11 @@ def cmd_move(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_hosts(args: argparse.Namespace, settings: Settings) -> int:
-    """`stopline hosts`: the live hosts of the pool and how many tasks each holds.
+    """`stopline hosts`: the live hosts of the pool and the tasks each holds.
 
     Hosts are read from Temporal's own view of who polls the workflow task
-    queue (each worker's identity names its host id); the task counts from
-    the ``StoplineHost`` search attribute of running workflows.
+    queue (each worker's identity names its host id); their tasks from the
+    ``StoplineHost`` search attribute of running workflows.
     """
     from stopline.activities.host import describe_hosts
     from stopline.core.search_attributes import literal
@@ -1186,12 +1186,12 @@ def cmd_hosts(args: argparse.Namespace, settings: Settings) -> int:
         hosts = await describe_hosts(client, settings.task_queue, max_age_s=args.max_age)
         rows = []
         for h in hosts:
-            count = await client.count_workflows(
+            ids = sorted([wf.id async for wf in client.list_workflows(
                 f"StoplineHost = {literal(h.host_id)} AND ExecutionStatus = 'Running'"
-            )
+            )])
             rows.append({
                 "host_id": h.host_id, "hostname": h.hostname, "capacity": h.capacity,
-                "tasks": count.count, "task_queue": h.task_queue,
+                "tasks": len(ids), "task_ids": ids, "task_queue": h.task_queue,
                 "last_seen": h.last_seen.isoformat() if h.last_seen else None,
             })
         if args.json:
@@ -1207,6 +1207,8 @@ def cmd_hosts(args: argparse.Namespace, settings: Settings) -> int:
             seen = f"{h.last_seen:%Y-%m-%d %H:%M:%S}" if h.last_seen else "-"
             console.print(f"{r['host_id']:16} {r['hostname']:24} {str(r['tasks']) + '/' + str(cap):>9}  {seen}",
                           markup=False)
+            for task_id in r["task_ids"]:
+                console.print(f"  {task_id}", markup=False)
         return 0
 
     return asyncio.run(go())

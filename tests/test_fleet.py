@@ -220,7 +220,7 @@ async def test_a_full_pool_makes_a_task_wait_visibly_for_a_host(
     client: Client, task_queue: str, scripted: Any, workspace: Path, fleet: Fleet,
 ) -> None:
     await fleet.start("host-a", STOPLINE_HOST_CAPACITY="1")
-    slow = scripted(scenario("anthropic", entry(anthropic_message("slow"), delay_s=4)))
+    slow = scripted(scenario("anthropic", entry(anthropic_message("slow"), delay_s=6)))
     quick = scripted(scenario("anthropic", entry(anthropic_message("quick"))))
     first = await _start(client, task_queue, slow, workspace)
     await _until(lambda: slow.request_count() >= 1, "the first task to sample")
@@ -231,6 +231,10 @@ async def test_a_full_pool_makes_a_task_wait_visibly_for_a_host(
     assert quick.request_count() == 0
     desc = await second.describe()
     assert desc.typed_search_attributes.get(sa.STATUS) == "waiting_for_host"
+    res = await asyncio.to_thread(_cli, fleet, fleet.root / "laptop", "hosts", "--json")
+    assert res.returncode == 0, res.stderr
+    (host,) = map(json.loads, res.stdout.splitlines())
+    assert host["task_ids"] == [first.id] and host["tasks"] == 1 and host["capacity"] == 1, host
     r1, r2 = await _result(first, fleet), await _result(second, fleet)
     assert (r1.status, r2.status) == ("completed", "completed")
 

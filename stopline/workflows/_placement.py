@@ -502,5 +502,7 @@ def _session_failure(handle: Any) -> str:
         cause = err.cause
         if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_START:
             return "no worker of that host picked it up"
+        if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.HEARTBEAT:
+            return "its worker stopped answering before the claim was made (the host is down?)"
         return activity_failure_reason(err)
     return str(err)
