@@ -1482,13 +1482,24 @@ def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
             print(json.dumps(dataclasses.asdict(report)))
         else:
             console.print(
-                f"removed the files of {len(report.removed_tasks)} finished task(s), "
-                f"{report.freed_bytes} bytes; kept {len(report.kept_running)} running, "
+                f"cleared {len(report.removed_tasks)} finished task(s) of their outputs, staged rows, "
+                f"shell logs and call records ({_size(report.freed_bytes)} freed); "
+                f"kept {len(report.kept_running)} running, "
                 f"{len(report.kept_unknown)} unknown, {len(report.kept_shells)} running shell(s)"
             )
         return 0
 
     return asyncio.run(go())
+
+
+def _size(n: int) -> str:
+    """Bytes for a person: ``0 bytes``, ``12.3 KiB``, ``4.0 MiB``."""
+    size = float(n)
+    for unit in ("bytes", "KiB", "MiB"):
+        if size < 1024:
+            return f"{n} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
