@@ -148,7 +148,7 @@ async def start_task(
 async def wait_until(predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = "") -> Any:
     """:func:`stopline.testing.workers.wait_until`, polling every 5 ms: the
     benchmarks time what they wait for."""
-    return await _wait_until(predicate, timeout_s, what, interval_s=0.005)
+    return await _wait_until(predicate, timeout_s, what, 0.005)  # seconds between polls
 
 
 def read_nonempty(path: Path) -> str | None:
