@@ -634,6 +634,13 @@ async def _follow_with_interrupts(
         loop.remove_signal_handler(signal.SIGINT)
 
 
+def _not_interrupted(res: InterruptResult) -> str:
+    """Why an interrupt changed nothing, in words."""
+    if res.ended:
+        return "the task is stopping (or has ended); its stop aborts the turn — nothing to interrupt"
+    return "no turn was running; nothing was interrupted"
+
+
 async def _send_interrupt(handle: Any) -> None:
     try:
         res: InterruptResult = await handle.execute_update("interrupt", result_type=InterruptResult)
@@ -641,7 +648,7 @@ async def _send_interrupt(handle: Any) -> None:
         err_console.print(f"[yellow]interrupt not delivered: {escape(_first_line(err))}[/yellow]")
         return
     if not res.interrupted:
-        err_console.print("[yellow]no turn was running; nothing was interrupted[/yellow]")
+        err_console.print(f"[yellow]{_not_interrupted(res)}[/yellow]")
         return
     err_console.print(
         f"[yellow]interrupted[/yellow]: {_calls_phrase(res)}; the task waits for "
@@ -1278,7 +1285,7 @@ def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
             console.print(f"interrupted: {_calls_phrase(res)}; the task waits for "
                           f"`stopline message {args.id} TEXT`", markup=False)
         else:
-            console.print("no turn was running; nothing changed")
+            console.print(_not_interrupted(res))
         return 0
 
     return asyncio.run(go())

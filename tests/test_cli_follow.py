@@ -357,3 +357,25 @@ async def test_transcript_of_a_running_task_shows_the_message_whose_calls_run(
         assert [c["id"] for c in message["tool_calls"]] == ["c1"]
     finally:
         await client.get_workflow_handle(task_id).cancel(reason="test cleanup")
+
+
+@pytest.mark.usefixtures("worker")
+async def test_a_poll_for_an_event_the_run_never_publishes_does_not_hold_it_open(
+    client: Client, scripted: Any, workspace: Path, task_queue: str,
+) -> None:
+    """A reset re-applies a watcher's stream polls from the longer branch; one
+    asking for an offset the new run never reaches must not keep the ended
+    run open (nothing ever hangs)."""
+    from temporalio.client import WorkflowUpdateStage
+    from temporalio.contrib.workflow_streams._types import PollInput
+
+    from tests.conftest import start_task
+
+    server = scripted(scenario("anthropic", {**entry(anthropic_message("done")), "delay_s": 1.0}))
+    handle = await start_task(client, task_queue, server, workspace)
+    await handle.start_update(
+        "__temporal_workflow_stream_poll", PollInput(topics=[], from_offset=10_000),
+        wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+    )
+    result = await asyncio.wait_for(handle.result(), 30)
+    assert result.status == "completed"

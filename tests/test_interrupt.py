@@ -14,6 +14,9 @@ from typing import Any
 
 import psutil
 import pytest
+from temporalio import activity
+from temporalio import client as client_interceptors
+from temporalio import worker as worker_interceptors
 from temporalio.client import Client
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.worker import Replayer
@@ -23,6 +26,7 @@ from stopline.activities.tools.shell import shell_id_for
 from stopline.core import policies
 from stopline.core.contracts import (
     EVENTS_TOPIC,
+    LEDGER_FLUSH_ACTIVITY,
     InterruptResult,
     LedgerRow,
     TaskEvent,
@@ -323,6 +327,49 @@ async def test_stop_after_an_interrupt_adds_only_the_stop(
     history = await handle.fetch_history()
     replayer = Replayer(workflows=[AgentTask], data_converter=client.data_converter)
     assert (await replayer.replay_workflow(history)).replay_failure is None
+
+
+class _SlowAbortFlush(client_interceptors.Interceptor, worker_interceptors.Interceptor):
+    """Holds the abort's flush (the one that kills calls) for a while: the
+    window in which a ``task_stop`` may arrive mid-abort."""
+
+    def intercept_activity(
+        self, next: worker_interceptors.ActivityInboundInterceptor
+    ) -> worker_interceptors.ActivityInboundInterceptor:
+        class Slow(worker_interceptors.ActivityInboundInterceptor):
+            async def execute_activity(self, input: worker_interceptors.ExecuteActivityInput) -> Any:
+                if activity.info().activity_type == LEDGER_FLUSH_ACTIVITY and input.args[0].kill_calls:
+                    await asyncio.sleep(2.0)
+                return await super().execute_activity(input)
+
+        return Slow(next)
+
+
+async def test_a_stop_during_an_interrupts_flush_aborts_nothing_twice(
+    client: Client, scripted: Any, workspace: Path, stopline_home: Path
+) -> None:
+    """Interrupt and stop racing (two CLIs): the stop lands while the
+    interrupt's abort flushes. One receipt and one marker; the interrupt is
+    answered; the task ends stopped (seed 002)."""
+    from stopline.settings import load_settings
+    from stopline.worker.runtime import build_workers
+
+    slow = Client(**{**client.config(), "interceptors": [_SlowAbortFlush()]})
+    queue = f"race-{uuid.uuid4().hex[:8]}"
+    async with running_workers(build_workers(slow, load_settings(), task_queue=queue)):
+        server = scripted(scenario("anthropic", entry(anthropic_message(
+            tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})]))))
+        handle = await start_task(client, queue, server, workspace, interrupt_grace_s=GRACE_S)
+        await _wait_for(workspace / "pid")
+        interrupt = asyncio.create_task(handle.execute_update("interrupt", result_type=InterruptResult))
+        await asyncio.sleep(1.0)  # the abort has decided its rows and is flushing
+        await handle.cancel(reason="stopline stop")
+        result = await asyncio.wait_for(handle.result(), 30)
+        answered = await asyncio.wait_for(interrupt, 30)
+    assert result.status == "stopped"
+    assert answered.interrupted and answered.aborted_calls == ["c1"], answered
+    kinds = [r.kind for r in _rows(stopline_home, handle.id)]
+    assert kinds.count("tool_result") == 1 and kinds.count("turn_aborted") == 1, kinds
 
 
 async def test_interrupted_history_replays_deterministically(

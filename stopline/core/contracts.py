@@ -944,12 +944,15 @@ class InterruptResult(_Model):
         aborted_calls: Tool call ids that got an "aborted by user" receipt.
         kept_calls: Tool call ids that had finished and kept their results.
         last_seq: Last ledger seq, fsynced to the ledger file before return.
+        ended: ``True`` when the task ended (a ``task_stop``) before the
+            interrupt could abort its turn: the stop aborted it instead.
     """
 
     interrupted: bool
     aborted_calls: list[str] = Field(default_factory=list)
     kept_calls: list[str] = Field(default_factory=list)
     last_seq: int = 0
+    ended: bool = False
 
 
 class MessageAck(_Model):

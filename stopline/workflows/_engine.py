@@ -46,6 +46,7 @@ from stopline.workflows._state import (
     PUSH_CANCEL_PATCH,
     PUSH_CANCEL_RETRY,
     PUSH_CANCEL_TIMEOUT,
+    RELEASE_POLLS_PATCH,
     SAMPLING_RETRY,
     STREAM_ITEMS_CARRIED,
     TOOL_RETRY,
@@ -353,8 +354,6 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                     [r for r in running if not r.settled],
                     finished=[r.call.id for r in running if r.settled],
                 )
-                if workflow.patched(ABORT_ONCE_PATCH):
-                    self._inflight_calls = []  # each has its one result now (seed 002)
                 return ABORTED
             if self._host_gone_now() and not any(r.handle.done() and not r.settled for r in running):
                 end = await self._lose_host_calls(running)
@@ -566,17 +565,25 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             aborted.append(r.call.id)
             kill.append(r.call.id)
         self._append("turn_aborted", text=policies.turn_aborted_marker(), meta={"aborted": aborted})
+        if workflow.patched(ABORT_ONCE_PATCH):
+            # Every call has its one result now: a task_stop arriving during
+            # the flush below finds nothing in flight to abort again.
+            self._inflight_sampling, self._inflight_calls = None, []
+        self._n.kept, self._n.aborted = kept, aborted
         # 4. flush (fsync) before the event. With the host gone there is no
         # file to fsync: the rows stay pending and reach the next host first
         # (the thread's loop moves it); the abort itself is complete.
         try:
-            await self._flush(kill_calls=kill)
-        except HostLost as lost:
-            self._mark_host_lost(lost.why)
-        self._n.kept, self._n.aborted = kept, aborted
-        self._publish("turn_aborted", text="turn aborted by user")
-        self._interrupt_pending = False
-        self._n.aborts_done += 1
+            try:
+                await self._flush(kill_calls=kill)
+            except HostLost as lost:
+                self._mark_host_lost(lost.why)
+            self._publish("turn_aborted", text="turn aborted by user")
+        finally:
+            # also when a task_stop cancels the flush: the rows are decided
+            # (the stop's own flush writes them) and the interrupt is answered
+            self._interrupt_pending = False
+            self._n.aborts_done += 1
 
     def _push_cancel(self, sampling: Any | None, running: list[RunningCall]) -> None:
         """Push the cancel to the host running the calls (DESIGN §3).
@@ -646,6 +653,17 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         # Every request, whatever ended the call (timeouts included).
         self._n.provider_calls += sampling_requests(err)
 
+    async def _handlers_done(self) -> None:
+        """Wait for every handler before the run completes, releasing the
+        event stream's polls first: a watcher's poll waits for an event
+        that will never come once ``task_finished`` is out — e.g. a poll a
+        ``temporal workflow reset`` re-applied from a longer branch, for
+        an offset this run never reaches. Released, it returns what there
+        is (the watcher reads the rest with a Query, from the closed run)."""
+        if workflow.patched(RELEASE_POLLS_PATCH):
+            self._stream.detach_pollers()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+
     # ------------------------------------------------- shared handlers
 
     def _set_host_state(self, state: str) -> None:
@@ -682,10 +700,14 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
 
     async def _interrupt(self) -> InterruptResult:
         if self._state != "running" or self._interrupt_pending or self._continuing:
-            return InterruptResult(interrupted=False, last_seq=self._flushed_seq)
+            ending = self._state not in ("running", "waiting", "waiting_for_host")
+            return InterruptResult(interrupted=False, last_seq=self._flushed_seq, ended=ending)
         self._interrupt_pending = True
         target = self._n.aborts_done + 1
-        await workflow.wait_condition(lambda: self._n.aborts_done >= target)
+        # bounded by the run's end: a task_stop may end the task first
+        await workflow.wait_condition(lambda: self._n.aborts_done >= target or self._result is not None)
+        if self._n.aborts_done < target:
+            return InterruptResult(interrupted=False, last_seq=self._flushed_seq, ended=True)
         return InterruptResult(
             interrupted=True,
             aborted_calls=list(self._n.aborted),

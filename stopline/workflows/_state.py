@@ -46,6 +46,10 @@ PUSH_CANCEL_PATCH = "push-cancel"
 #: before it, a ``task_stop`` after an interrupt aborted the same calls again
 #: and wrote their receipts and the marker twice.
 ABORT_ONCE_PATCH = "stopline-abort-once"
+#: ``workflow.patched`` id of "a run's end releases its stream polls": before
+#: it, a poll for an offset the run never reached (a reset re-applies a
+#: watcher's polls from the longer branch) kept the run open for ever.
+RELEASE_POLLS_PATCH = "stopline-release-polls-at-end"
 
 #: Events kept in the workflow stream across continue-as-new.
 STREAM_ITEMS_CARRIED = 200

@@ -166,7 +166,7 @@ class AgentTask(TurnEngine):
         self._state = end.status
         self._upsert(end.status)
         self._publish("task_finished", text=end.reason, result=self._result)
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        await self._handlers_done()
         if end.status == "failed" and workflow.patched(FAIL_FAILED_PATCH):
             # Temporal sees what stopline sees: a failed task is a failed
             # workflow (the UI, alerting and `temporal workflow list` count

@@ -118,7 +118,7 @@ class ChatThread(TurnEngine):
         )
         self._upsert(status)
         self._publish("task_finished", text=reason, result=self._result)
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        await self._handlers_done()
         return self._result
 
     async def _serve(self, inp: ChatThreadInput) -> End | None:
