@@ -33,6 +33,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
+from stopline.core.policies import REDACTED
 from stopline.settings import Settings
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
     "service_env",
 ]
 
-#: What a secret value is replaced with.
-REDACTED = "***"
 #: Values shorter than this are not treated as secrets (see the module docstring).
 MIN_SECRET_CHARS = 8
 #: Environment variables whose values are secrets stopline itself reads.

@@ -23,6 +23,7 @@ from temporalio.client import Client
 from stopline.activities.ledger import LedgerStore
 from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits, TaskStatus
 from stopline.settings import load_settings
+from stopline.secrets import REDACTED
 from stopline.testing.scripted import anthropic_message, entry, scenario
 from stopline.worker.runtime import build_workers
 from tests.conftest import start_task
@@ -161,9 +162,9 @@ def test_api_keys_are_redacted_from_logs(monkeypatch: pytest.MonkeyPatch) -> Non
     log = structlog.get_logger("t")
     log.info("request", url="https://x", header=f"Bearer {secret}", api_key=secret, task_id="t1")
     out = buf.getvalue()
-    assert secret not in out and "***" in out
+    assert secret not in out and REDACTED in out
     line = json.loads(out.strip().splitlines()[-1])
-    assert line["task_id"] == "t1" and line["api_key"] == "***"
+    assert line["task_id"] == "t1" and line["api_key"] == REDACTED
     structlog.reset_defaults()
 
 

@@ -94,6 +94,17 @@ def test_unparsable_arguments_block_the_whole_turn() -> None:
     assert "another call" in blocked["a"]
 
 
+def test_a_call_whose_arguments_held_a_secret_does_not_run() -> None:
+    """DESIGN §5: the workflow sees the key replaced; running the call would
+    run it with the mask in its place."""
+    masked = ToolCall(id="a", name="shell", arguments={"command": f"echo {policies.REDACTED} > k"},
+                      raw_arguments=f'{{"command": "echo {policies.REDACTED} > k"}}')
+    result = SamplingResult(provider="p", model="m", stop_reason="tool_use", tool_calls=[masked, _call("b", args={})])
+    blocked = policies.untriaged_calls(result)
+    assert list(blocked) == ["a"] and "held a secret value" in blocked["a"]
+    assert not any(c in policies.REDACTED for c in "*?[]{}$`'\"<>|&;() ")  # inert in a shell
+
+
 def test_clean_turn_runs_everything() -> None:
     result = SamplingResult(provider="p", model="m", stop_reason="tool_use", tool_calls=[_call("a", args={})])
     assert policies.untriaged_calls(result) == {}

@@ -324,3 +324,42 @@ async def _check_everything_but_the_log(
         assert out.returncode == 0, out.stderr
         clean(out.stdout + out.stderr, f"stopline {' '.join(args)}")
         assert REDACTED in out.stdout
+
+
+async def test_a_tool_call_carrying_a_secret_is_not_run_with_the_mask(
+    client: Client, scripted: Any, workspace: Path, task_queue: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The model wrote a configured key into a tool call: the workflow only
+    ever sees the call with the key replaced (DESIGN §5), so the call is not
+    run — neither with the key nor with the mask in its place (a mask that
+    reached a shell would run as whatever it expands to) — and the model is
+    told why."""
+    from stopline.worker.runtime import build_workers, connect
+    from stopline.testing.workers import running_workers
+    from tests.conftest import start_task
+
+    secret = f"sk-ant-test-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ANTHROPIC_API_KEY", secret)
+    settings = load_settings()
+    secure = await connect(settings, address=client.service_client.config.target_host)
+    server = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[
+            ("c1", "shell", {"command": f"echo {secret} > s.txt"}),
+            ("c2", "write_file", {"path": "w.txt", "content": f"key={secret}"}),
+            ("c3", "list_dir", {"path": "."}),
+        ])),
+        entry(anthropic_message("done")),
+    ))
+    async with running_workers(build_workers(secure, settings, task_queue=task_queue)):
+        handle = await start_task(secure, task_queue, server, workspace)
+        result = await asyncio.wait_for(handle.result(), 60)
+    assert result.status == "completed", result
+    assert not (workspace / "s.txt").exists() and not (workspace / "w.txt").exists()
+    sent = json.dumps(server.requests()[1]["body"])
+    assert secret not in sent
+    results = {r.call_id: r for r in LedgerStore(load_settings().ledger_dir).read(handle.id)
+               if r.kind == "tool_result"}
+    assert not results["c1"].ok and "held a secret value" in (results["c1"].text or "")
+    assert not results["c2"].ok and "held a secret value" in (results["c2"].text or "")
+    assert results["c3"].ok  # its sibling without the key ran

@@ -34,6 +34,12 @@ class ConversationInvalid(StoplineError, ValueError):
     """The transcript would be rejected by a provider (or lies to the model)."""
 
 
+#: What a secret value is replaced with wherever text leaves a process
+#: (``stopline.secrets``). Inert in a shell, JSON and a regex: a command that
+#: carried a key reads ``echo __REDACTED__``, never a glob like ``***``.
+REDACTED = "__REDACTED__"
+
+
 def rows_to_messages(rows: list[LedgerRow]) -> list[Message]:
     """Build the provider-neutral conversation from ledger rows.
 
@@ -154,7 +160,10 @@ def untriaged_calls(result: SamplingResult) -> dict[str, str]:
     A turn cut at ``max_tokens`` / ``length`` runs none of its tools; a turn
     with any call whose arguments did not parse runs none either (its input
     was truncated or malformed) — DESIGN §3. A refused turn has no tool calls
-    (adapters drop them; seed 000).
+    (adapters drop them; seed 000). A call whose arguments held a secret —
+    replaced with :data:`REDACTED` in the sampling result before the
+    workflow saw it (DESIGN §5) — does not run: it would run with the mask
+    in the secret's place.
 
     Args:
         result: The sampling result.
@@ -175,7 +184,16 @@ def untriaged_calls(result: SamplingResult) -> dict[str, str]:
         }
     broken = [c for c in result.tool_calls if c.arguments is None]
     if not broken:
-        return {}
+        return {
+            c.id: (
+                f"Not run: the arguments of {c.name} held a secret value (a configured API or "
+                f"codec key), which stopline replaces with {REDACTED} before it is recorded, so "
+                f"the call cannot be made as written. Tools never receive secrets; do it "
+                f"without the key."
+            )
+            for c in result.tool_calls
+            if REDACTED in c.raw_arguments
+        }
     out: dict[str, str] = {}
     for c in result.tool_calls:
         if c.arguments is None:
