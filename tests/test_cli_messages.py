@@ -111,7 +111,7 @@ def test_server_unreachable(env: dict[str, str]) -> None:
 async def test_no_worker_at_all(client: Client, env: dict[str, str], workspace: Path) -> None:
     task_id = f"task-{uuid.uuid4().hex[:8]}"
     queue = env["STOPLINE_TASK_QUEUE"]
-    handle = await client.start_workflow(
+    await client.start_workflow(
         "AgentTask", AgentTaskInput(prompt="x", model="anthropic:m", workspace=str(workspace)),
         id=task_id, task_queue=queue,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stopline.core import policies
-from stopline.core.contracts import LedgerRow, SamplingResult, ToolCall, ToolResultPart, ToolUsePart
+from stopline.core.contracts import LedgerRow, SamplingResult, ToolCall, ToolResultPart
 
 
 def _call(cid: str, name: str = "shell", args: dict | None = None, parse_error: str | None = None) -> ToolCall:
