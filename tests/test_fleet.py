@@ -250,6 +250,24 @@ async def test_two_workers_on_one_home_the_second_refuses(
     assert "already serves" in second.log() and host_id_for(home) in second.log(), second.log()
 
 
+async def test_a_worker_whose_home_is_deleted_stops_and_a_new_one_takes_the_path(
+    client: Client, task_queue: str, fleet: Fleet, tmp_path: Path,
+) -> None:
+    """The lock went with the deleted home: the old worker must not go on
+    serving beside the next one on that path (two processes, one home)."""
+    import shutil
+
+    home = tmp_path / "doomed-home"
+    old = await fleet.start("host-old", home=home)
+    first_id = host_id_for(home)
+    shutil.rmtree(home)
+    rc = await old.wait_exit(30)
+    assert rc == 1 and "removed or replaced" in old.log(), old.log()
+    new = await fleet.start("host-new", home=home)
+    assert json.loads((home / "host.json").read_text())["host_id"] != first_id  # a new home, a new host
+    assert new.alive()
+
+
 async def test_replicas_sharing_one_volume_take_home_slots(
     client: Client, task_queue: str, fleet: Fleet, tmp_path: Path,
 ) -> None:

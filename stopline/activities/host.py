@@ -209,6 +209,18 @@ class HomeLock:
         self._fd = fd
         return self
 
+    def intact(self) -> bool:
+        """Whether the lock file this process holds is still the one at its
+        path: ``False`` once the home was deleted or replaced under a live
+        worker (a later worker could then take the home while this one still
+        serves it). Reads only metadata (two ``stat`` calls)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.fstat(self._fd).st_ino == os.stat(self.path).st_ino
+        except OSError:
+            return False
+
     def release(self) -> None:
         """Drop the lock (also dropped by the kernel when the process ends)."""
         if self._fd is not None:

@@ -28,6 +28,7 @@ import asyncio
 import gc
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -92,6 +93,27 @@ async def _retention_loop(client: Client, settings: Settings, log: Any) -> None:
         except Exception as err:  # noqa: BLE001 - housekeeping must not stop the worker
             log.warning("retention_failed", error=str(err))
         await asyncio.sleep(every)
+
+
+#: Seconds between checks that this worker still holds its home (DESIGN §7).
+HOME_CHECK_S = 5.0
+
+
+async def _watch_home(lock: Any, home: Path, stop: asyncio.Event, log: Any) -> None:
+    """Stop the worker when its ``STOPLINE_HOME`` is deleted or replaced under it.
+
+    The lock file went with the home, so the next worker on that path would
+    take it while this one still served it: two processes as one host. This
+    one stops gracefully instead (its tasks wait for it, then move, DESIGN
+    §7), and says why.
+    """
+    while not stop.is_set():
+        await asyncio.sleep(HOME_CHECK_S)
+        if not lock.intact():
+            log.error("home_lost", home=str(home),
+                      consequence="this worker stops; its tasks move to another host (or to it, restarted)")
+            stop.set()
+            return
 
 
 #: How long a starting worker waits for the embedded server to answer: the
@@ -195,10 +217,12 @@ async def run_worker() -> None:
     )
     runs = [asyncio.create_task(w.run()) for w in workers]
     housekeeping = asyncio.create_task(_retention_loop(client, settings, log))
+    watchdog = asyncio.create_task(_watch_home(_lock, home, stop, log))
     waiter = asyncio.create_task(stop.wait())
     await asyncio.wait([waiter, *runs], return_when=asyncio.FIRST_COMPLETED)
     log.info("worker_stopping")
     housekeeping.cancel()
+    watchdog.cancel()
     await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
     for r in runs:
         if r.done() and r.exception() is not None:
@@ -206,6 +230,11 @@ async def run_worker() -> None:
     if lease is not None:
         await release_embedded(settings, lease)
     log.info("worker_stopped")
+    if watchdog.done() and not watchdog.cancelled() and not _lock.intact():
+        from stopline.core.errors import HostError
+
+        raise HostError(f"its STOPLINE_HOME {home} was removed or replaced while it ran; "
+                        f"start it again (a new home is a new host)")
 
 
 def main(argv: list[str] | None = None) -> None:
