@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -143,12 +144,15 @@ async def test_writes_outside_the_workspace_are_denied_or_gone(ws: Path, home: P
     out = await shell(
         ws,
         f"echo x > {host_tmp} && echo tmp-ok; echo x > /etc/stopline-escape; "
-        f"echo x > /usr/stopline-escape; echo x > {outside}/f; echo x > inside.txt",
+        f"echo x > /usr/stopline-escape; echo x > {outside}/f; echo x > inside.txt; "
+        f"echo x > /stopline-escape",
     )
     try:
         assert out.ok and "tmp-ok" in out.text  # its own private /tmp
         assert "/etc/stopline-escape: Read-only file system" in out.text
         assert "/usr/stopline-escape: Read-only file system" in out.text
+        # the sandbox's own root (an unsized tmpfs) takes no writes either
+        assert re.search(r"(^|\s)/stopline-escape: Read-only file system", out.text, re.M), out.text
         assert f"{outside}/f: No such file or directory" in out.text
         assert not host_tmp.exists() and not Path("/etc/stopline-escape").exists()
         assert list(outside.iterdir()) == []

@@ -351,7 +351,11 @@ def bwrap_argv(
         argv += ["--bind", str(workspace), str(workspace)]
         if _under(home, [*shown, workspace]):
             argv += ["--tmpfs", str(home)]
-    argv += ["--chdir", str(cwd), "--"]
+    # The sandbox's own root is a tmpfs bwrap makes, with no size: left
+    # writable, a command could fill memory under / past the /tmp cap.
+    # Read-only once every mount point on it exists (/tmp and the
+    # workspace are mounts of their own and stay writable).
+    argv += ["--remount-ro", "/", "--chdir", str(cwd), "--"]
     return argv
 
 
