@@ -159,3 +159,22 @@ async def test_a_worker_started_with_the_server_waits_for_it(tmp_path: Path) -> 
         worker.stop()
         server.stop()
     assert worker.pid() is None and server.pid() is None
+
+
+def test_a_worker_that_cannot_start_takes_the_server_it_came_with_down(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """run started the embedded server and this home's worker; the worker
+    failed (its metrics address is taken): the command fails saying why, and
+    leaves no server or process behind."""
+    import socket
+
+    scen, ws = _tiny(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {**cli_env, "STOPLINE_METRICS_BIND": f"127.0.0.1:{taken.getsockname()[1]}"}
+        run = _stopline(env, "run", "go", "--model", f"scripted:{scen}", "--workspace", str(ws))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "worker exited while starting" in run.stderr, run.stderr
+    _nothing_left(cli_env)

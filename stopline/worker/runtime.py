@@ -331,12 +331,10 @@ class Managed:
         except (OSError, ValueError):
             return None
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
+            # reaps it when it is our exited child: a zombie is not running
+            return pid if _alive(pid) else None
         except PermissionError:
             return pid
-        return pid
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """SIGTERM the recorded process group, SIGKILL after ``timeout_s``.
@@ -735,8 +733,17 @@ async def wait_frontend_ready(
         await asyncio.sleep(0.2)
 
 
-async def wait_worker_ready(settings: Settings, address: str, *, wait_s: float = 60.0) -> None:
+async def wait_worker_ready(
+    settings: Settings, address: str, *, wait_s: float = 60.0, holder: int | None = None
+) -> None:
     """Wait until this home's worker polls the task queue as its host.
+
+    Args:
+        settings: Settings (home, task queue, namespace).
+        address: The embedded server's address.
+        wait_s: Bound, seconds.
+        holder: The pid of a worker this command did not start that already
+            holds the home (a foreground ``stopline worker``), if any.
 
     Raises:
         EmbeddedServerError: The background worker exited (its log's last
@@ -763,6 +770,12 @@ async def wait_worker_ready(settings: Settings, address: str, *, wait_s: float =
         except Exception:  # the server is ready (checked before); a blip: retry
             pass
         if time.monotonic() > deadline:
+            if holder is not None:
+                raise EmbeddedServerError(
+                    f"the worker that holds {settings.home} (pid {holder}) does not poll task queue "
+                    f"{settings.task_queue} on {address} within {wait_s:g}s: it serves another server "
+                    f"or queue; set TEMPORAL_ADDRESS to its server, or use another STOPLINE_HOME"
+                )
             raise EmbeddedServerError(
                 f"the stopline worker did not poll task queue {settings.task_queue} within "
                 f"{wait_s:g}s; see {managed.log_file}"
@@ -861,9 +874,21 @@ async def acquire_embedded(
         if with_worker and worker.pid() is None and holder is None:
             start_background_worker(settings, address)
             started_worker = True
-        await wait_frontend_ready(settings, address, wait_s=wait_s, managed=server)
-        if with_worker:
-            await wait_worker_ready(settings, address, wait_s=wait_s)
+        try:
+            await wait_frontend_ready(settings, address, wait_s=wait_s, managed=server)
+            if with_worker:
+                await wait_worker_ready(
+                    settings, address, wait_s=wait_s, holder=None if started_worker else holder
+                )
+        except BaseException:
+            # what this call started goes with its failure (nobody else holds
+            # a lease on it yet: we hold the lock)
+            if not _live_leases(settings) and not pinned_path(settings).exists():
+                if started_worker:
+                    worker.stop()
+                if started_server:
+                    server.stop()
+            raise
         leases = _run_dir(settings) / "leases"
         leases.mkdir(exist_ok=True)
         path = leases / f"{os.getpid()}-{secrets.token_hex(4)}"
