@@ -679,10 +679,12 @@ async def test_write_read_list(ws: Path, home: Path) -> None:
     out = await run_ok(call(ws, "read_file", {"path": "a/b/c.txt", "offset_line": 9}))
     assert out.ok and "the file has 3 line(s)" in out.text
     (ws / "z.txt").write_text("")
+    (ws / ".stopline-workspace").write_text("w-0123")  # stopline's marker (DESIGN §7): not listed
+    (ws / "a" / "b" / ".stopline-workspace").write_text("")  # a project's own file of that name is
     out = await run_ok(call(ws, "list_dir", {}))
     assert out.ok and out.text == "a/\nz.txt"
     out = await run_ok(call(ws, "list_dir", {"path": "a/b"}))
-    assert out.text == "c.txt"
+    assert out.text == ".stopline-workspace\nc.txt"
 
 
 async def test_read_file_is_capped(ws: Path, home: Path) -> None:

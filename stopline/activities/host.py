@@ -49,6 +49,7 @@ from stopline.core.contracts import (
     HOST_CLAIMED_SIGNAL,
     HOST_SESSION_ACTIVITY,
     LIST_HOSTS_ACTIVITY,
+    WORKSPACE_MARKER_FILE,
     HostClaim,
     HostInfo,
     HostSessionInput,
@@ -60,8 +61,6 @@ from stopline.settings import Settings, load_settings
 
 log = structlog.get_logger("stopline.host")
 
-#: The file in a workspace whose content names it across hosts.
-WORKSPACE_MARKER_FILE = ".stopline-workspace"
 #: ApplicationError type of a session that cannot reach the task's workspace.
 WORKSPACE_UNAVAILABLE = "WorkspaceUnavailable"
 #: What a host session returns when its worker shuts down gracefully.

@@ -38,6 +38,8 @@ HOST_SESSION_ACTIVITY = "stopline.host_session"
 LIST_HOSTS_ACTIVITY = "stopline.list_hosts"
 #: Signal a host session sends its task when it has claimed the host.
 HOST_CLAIMED_SIGNAL = "stopline_host_claimed"
+#: The file in a workspace whose content names it across hosts (DESIGN §7).
+WORKSPACE_MARKER_FILE = ".stopline-workspace"
 #: The control activity of the push cancel (DESIGN §3): runs on the host of a
 #: task's calls and cancels them there.
 CANCEL_CALLS_ACTIVITY = "stopline.cancel_calls"

@@ -27,7 +27,7 @@ import os
 import secrets as _random
 import stat as stat_mod
 
-from stopline.core.contracts import RespondToModel
+from stopline.core.contracts import WORKSPACE_MARKER_FILE, RespondToModel
 
 from ._context import ToolContext
 from .beneath import Beneath, SymlinkRefused
@@ -201,6 +201,8 @@ async def list_dir(ctx: ToolContext, path: str) -> RespondToModel:
     """
     with _workspace(ctx) as ws:
         rel = ws.relative(path)
+        # stopline's own marker (DESIGN §7) is not the project's: not listed
+        hidden = {WORKSPACE_MARKER_FILE} if rel in (".", "") else set()
         try:
             fd = ws.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
@@ -211,6 +213,8 @@ async def list_dir(ctx: ToolContext, path: str) -> RespondToModel:
     try:
         with os.scandir(fd) as it:
             for entry in it:
+                if entry.name in hidden:
+                    continue
                 try:
                     if entry.is_symlink():
                         names.append(f"{entry.name} -> {os.readlink(entry.name, dir_fd=fd)}")
