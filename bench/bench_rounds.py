@@ -163,15 +163,18 @@ async def temporal_run(client: Client, task_queue: str, home: Path, rounds: int)
 # ---------------------------------------------------------- in-process loop
 
 
-async def inprocess_loop(task_id: str, server: ScriptedServer, workspace: Path) -> tuple[int, int]:
-    """The workflow's turn loop without Temporal: same activities, same rows.
+async def inprocess_loop(
+    task_id: str, server: ScriptedServer, workspace: Path, client: Client
+) -> tuple[int, int]:
+    """The workflow's turn loop without Temporal: same activities, same rows
+    (the sampling activity's refusal guard reads visibility through ``client``).
 
     Returns:
         ``(rounds, activity calls)``.
     """
     inp = task_input(server, workspace, "unused", max_rounds=10**6)
     limits = inp.limits
-    env = ActivityEnvironment()
+    env = ActivityEnvironment(client=client)
     rows: list[LedgerRow] = []
     flushed = 0
     calls = 0
@@ -217,16 +220,19 @@ async def inprocess_loop(task_id: str, server: ScriptedServer, workspace: Path) 
             if isinstance(outcome, Fatal):
                 raise RuntimeError(f"tool {call.name} failed: {outcome.reason}")
             append_result(call, rnd, outcome)
+    # the task's end, as the workflow records it (hidden from the model)
+    append("system", rnd, text="task completed: the model ended its turn", model_visible=False,
+           meta={"outcome": "completed", "refused": False})
     await env.run(ledger_flush, LedgerFlushInput(task_id=task_id, rows=rows[flushed:], close_shells=True))
     return rnd, calls + 1
 
 
-async def inprocess_run(home: Path, rounds: int) -> tuple[Run, int]:
+async def inprocess_run(home: Path, rounds: int, client: Client) -> tuple[Run, int]:
     """One task through :func:`inprocess_loop`; also returns its activity calls."""
     task_id = f"inproc-{uuid.uuid4().hex[:12]}"
     with ScriptedServer(rounds_scenario(rounds)) as server:
         t0 = time.perf_counter()
-        done, calls = await inprocess_loop(task_id, server, fresh_workspace(home))
+        done, calls = await inprocess_loop(task_id, server, fresh_workspace(home), client)
         seconds = time.perf_counter() - t0
         last_request = server.requests()[-1]["body"]
     if done != rounds:
@@ -295,13 +301,13 @@ async def main(args: argparse.Namespace) -> None:
             async with running(workers):
                 console.print(f"[dim]warm-up ({args.warmup_rounds} rounds each, not counted)…[/]")
                 await temporal_run(client, queue, home, args.warmup_rounds)
-                await inprocess_run(home, args.warmup_rounds)
+                await inprocess_run(home, args.warmup_rounds, client)
                 temporal: list[Run] = []
                 local: list[Run] = []
                 local_calls = 0
                 for i in range(args.repeats):
                     temporal.append(await temporal_run(client, queue, home, args.rounds))
-                    run, local_calls = await inprocess_run(home, args.rounds)
+                    run, local_calls = await inprocess_run(home, args.rounds, client)
                     local.append(run)
                     console.print(
                         f"[dim]repeat {i + 1}/{args.repeats}: Temporal {temporal[-1].ms_per_round:.1f} "
