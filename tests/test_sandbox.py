@@ -145,7 +145,8 @@ async def test_writes_outside_the_workspace_are_denied_or_gone(ws: Path, home: P
         ws,
         f"echo x > {host_tmp} && echo tmp-ok; echo x > /etc/stopline-escape; "
         f"echo x > /usr/stopline-escape; echo x > {outside}/f; echo x > inside.txt; "
-        f"echo x > /stopline-escape",
+        f"echo x > /stopline-escape; echo x > /dev/stopline-escape; "
+        f"head -c 100000000 /dev/zero > /dev/shm/big; ls -l /dev/shm/big; echo x > /dev/null && echo null-ok",
     )
     try:
         assert out.ok and "tmp-ok" in out.text  # its own private /tmp
@@ -153,6 +154,10 @@ async def test_writes_outside_the_workspace_are_denied_or_gone(ws: Path, home: P
         assert "/usr/stopline-escape: Read-only file system" in out.text
         # the sandbox's own root (an unsized tmpfs) takes no writes either
         assert re.search(r"(^|\s)/stopline-escape: Read-only file system", out.text, re.M), out.text
+        assert "/dev/stopline-escape: Read-only file system" in out.text
+        # shared memory has its own capped tmpfs (64 MiB), not the unsized /dev
+        assert "No space left on device" in out.text and f" {64 * 1024 * 1024} " in out.text, out.text
+        assert "null-ok" in out.text
         assert f"{outside}/f: No such file or directory" in out.text
         assert not host_tmp.exists() and not Path("/etc/stopline-escape").exists()
         assert list(outside.iterdir()) == []

@@ -297,6 +297,11 @@ def _under(path: Path, parents: list[Path]) -> bool:
     return any(path == p or p in path.parents for p in parents)
 
 
+#: Bytes of the sandbox's ``/dev/shm`` (at most the ``/tmp`` cap): shared
+#: memory for semaphores and small buffers, not a second scratch disk.
+SHM_BYTES = 64 * 1024 * 1024
+
+
 def bwrap_argv(
     status: SandboxStatus,
     settings: Settings,
@@ -335,6 +340,12 @@ def bwrap_argv(
         if not _under(resolv, [Path(p) for p in SYSTEM_RO_PATHS]):
             argv += ["--ro-bind-try", str(resolv), str(resolv)]
     argv += ["--proc", "/proc", "--dev", "/dev"]
+    # /dev is a tmpfs bwrap makes, with no size, and /dev/shm a directory on
+    # it: shared memory gets a tmpfs of its own, capped, and /dev itself is
+    # made read-only below (device nodes still work).
+    if status.tmp_size:
+        argv += ["--size", str(min(settings.sandbox_tmp_bytes, SHM_BYTES))]
+    argv += ["--tmpfs", "/dev/shm"]
     if status.tmp_size:
         argv += ["--size", str(settings.sandbox_tmp_bytes)]
     argv += ["--tmpfs", "/tmp", "--dir", SANDBOX_HOME]
@@ -353,9 +364,9 @@ def bwrap_argv(
             argv += ["--tmpfs", str(home)]
     # The sandbox's own root is a tmpfs bwrap makes, with no size: left
     # writable, a command could fill memory under / past the /tmp cap.
-    # Read-only once every mount point on it exists (/tmp and the
+    # Read-only once every mount point on it exists (/tmp, /dev/shm and the
     # workspace are mounts of their own and stay writable).
-    argv += ["--remount-ro", "/", "--chdir", str(cwd), "--"]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", str(cwd), "--"]
     return argv
 
 
