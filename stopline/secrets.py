@@ -32,6 +32,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
+from typing import Any, AnyStr, Generic
 
 from stopline.core.policies import REDACTED
 from stopline.settings import Settings
@@ -147,37 +148,48 @@ class Redactor:
                 value = value.replace(s, REDACTED.encode())
         return value
 
-    def stream(self) -> StreamRedactor:
+    def stream(self) -> StreamRedactor[bytes]:
         """A redactor for a byte stream fed in chunks (see :class:`StreamRedactor`)."""
-        return StreamRedactor(self)
+        return StreamRedactor(self, b"")
+
+    def text_stream(self) -> StreamRedactor[str]:
+        """A redactor for text fed in pieces (a model's streamed output)."""
+        return StreamRedactor(self, "")
 
 
-class StreamRedactor:
-    """Redact a byte stream chunk by chunk, finding secrets split across chunks.
+class StreamRedactor(Generic[AnyStr]):
+    """Redact a stream (bytes or text) piece by piece, finding secrets split
+    across pieces.
 
-    Holds back the last :attr:`Redactor.overlap` bytes of what it was fed
-    until more arrives or :meth:`flush` is called.
+    Holds back the last :attr:`Redactor.overlap` bytes (characters, for
+    text: never fewer than needed) of what it was fed until more arrives or
+    :meth:`flush` is called.
+
+    Args:
+        redactor: The secrets.
+        empty: ``b""`` for a byte stream, ``""`` for text.
     """
 
-    def __init__(self, redactor: Redactor) -> None:
+    def __init__(self, redactor: Redactor, empty: AnyStr) -> None:
         self._redactor = redactor
-        self._held = b""
+        self._held: AnyStr = empty
+        self._apply: Any = redactor.bytes if isinstance(empty, bytes) else redactor.text
 
-    def feed(self, data: bytes) -> bytes:
+    def feed(self, data: AnyStr) -> AnyStr:
         """Redact ``data`` (after what is held back); return what may be written now."""
         if not self._redactor:
             return data
-        buf = self._redactor.bytes(self._held + data)
+        buf = self._apply(self._held + data)
         keep = self._redactor.overlap
         if keep <= 0 or len(buf) <= keep:
             self._held = buf
-            return b""
+            return buf[:0]
         self._held = buf[-keep:]
         return buf[:-keep]
 
-    def flush(self) -> bytes:
+    def flush(self) -> AnyStr:
         """The rest, redacted (call once at the end)."""
-        out, self._held = self._redactor.bytes(self._held), b""
+        out, self._held = self._apply(self._held), self._held[:0]
         return out
 
 

@@ -363,3 +363,40 @@ async def test_a_tool_call_carrying_a_secret_is_not_run_with_the_mask(
     assert not results["c1"].ok and "held a secret value" in (results["c1"].text or "")
     assert not results["c2"].ok and "held a secret value" in (results["c2"].text or "")
     assert results["c3"].ok  # its sibling without the key ran
+
+
+def test_a_key_split_across_streamed_pieces_never_leaves_in_parts() -> None:
+    """The token stream is published in pieces; each is redacted holding back
+    what could start a key, so neither half of a split key is published."""
+    from stopline.activities.deltas import DeltaPublisher, SamplingDelta
+
+    key = "sk-test-secret-AAAA1234"
+    pub = DeltaPublisher(round=1, attempt=1, interval_s=1.0, redactor=Redactor([key]))
+    for piece in ('{"command": "echo sk-test-secr', 'et-AAAA1234 > s.txt"}', " and more text after it"):
+        pub.on_delta(SamplingDelta(kind="tool_args", text=piece, index=1, call_id="c1", tool_name="shell"))
+    sent = "".join(d.text for d in pub._buffer)
+    assert REDACTED in sent
+    for part in ("sk-test", "secr", "et-AAAA", "AAAA1234", "1234"):
+        assert part not in sent, sent
+    assert sent.startswith('{"command": "echo ' + REDACTED + ' > s.txt"}')
+
+
+def test_a_key_spelled_with_json_escapes_is_redacted_and_its_call_not_run() -> None:
+    """JSON may spell a key with \\u escapes the redactor cannot see in the raw
+    text: the raw arguments are rewritten from the parsed ones, so the key is
+    redacted and the call recognised as one that held a secret."""
+    from stopline.activities.providers.base import tool_call_from_raw
+    from stopline.activities.sampling import _spell_out_secrets
+    from stopline.core import policies
+    from stopline.core.contracts import SamplingResult
+
+    key = "sk-test-secret-AAAA1234"
+    raw = '{"command": "echo sk-test-secret-\\u0041AAA1234 > s.txt"}'
+    result = SamplingResult(provider="p", model="m", stop_reason="tool_use",
+                            tool_calls=[tool_call_from_raw("c1", "shell", raw)])
+    redactor = Redactor([key])
+    assert redactor.text(raw) == raw  # what the redactor alone would miss
+    _spell_out_secrets(result, redactor)
+    seen = SamplingResult.model_validate_json(redactor.text(result.model_dump_json()))  # as the workflow sees it
+    assert key not in seen.model_dump_json() and "\\u0041AAA" not in seen.model_dump_json()
+    assert "held a secret value" in policies.untriaged_calls(seen)["c1"]

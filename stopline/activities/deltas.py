@@ -31,13 +31,16 @@ streaming stops for the rest of that call).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
 from stopline.core.contracts import EVENTS_TOPIC, TaskEvent
+
+if TYPE_CHECKING:
+    from stopline.secrets import Redactor, StreamRedactor
 
 log = structlog.get_logger("stopline.deltas")
 
@@ -95,17 +98,27 @@ class DeltaPublisher:
     :data:`FINAL_FLUSH_S`), so no delta reaches the stream after the call's
     result.
 
+    Each piece is redacted before it is buffered, per text block or tool
+    call, holding back what could be the start of a secret until the next
+    piece shows it is not: a key split across two pieces (or two
+    publishes) never leaves in parts (DESIGN §5).
+
     Args:
         round: The sampling round (stamped on each event).
         attempt: The activity attempt (a retry streams again from the start).
         interval_s: Seconds between publishes; ``<= 0`` disables publishing.
+        redactor: The configured secrets (``None``: none).
     """
 
-    def __init__(self, *, round: int, attempt: int, interval_s: float) -> None:
+    def __init__(
+        self, *, round: int, attempt: int, interval_s: float, redactor: Redactor | None = None
+    ) -> None:
         self.round = round
         self.attempt = attempt
         self.interval_s = interval_s
         self.published = 0
+        self._redactor = redactor if redactor else None
+        self._streams: dict[tuple[str, int], StreamRedactor[str]] = {}
         self._buffer: list[SamplingDelta] = []
         self._client: Any = None
         self._topic: Any = None
@@ -150,8 +163,17 @@ class DeltaPublisher:
 
     def on_delta(self, delta: SamplingDelta) -> None:
         """The adapters' ``on_delta`` callback: one text or tool-argument piece."""
-        if self.enabled:
-            self._buffer.append(delta)
+        if not self.enabled:
+            return
+        if self._redactor is not None:
+            key = (delta.kind, delta.index)
+            if key not in self._streams:
+                self._streams[key] = self._redactor.text_stream()
+            text = self._streams[key].feed(delta.text)
+            if not text and not delta.call_id:
+                return
+            delta = replace(delta, text=text)
+        self._buffer.append(delta)
 
     async def _run(self) -> None:
         while self.enabled:

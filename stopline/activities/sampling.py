@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import ssl
 import weakref
 from datetime import timedelta
@@ -52,6 +53,7 @@ from stopline.core.contracts import (
     SamplingResult,
 )
 from stopline.core.policies import ConversationInvalid, rows_to_messages, validate_conversation
+from stopline.secrets import Redactor, current_redactor
 from stopline.settings import Settings, load_settings
 
 log = structlog.get_logger("stopline.sampling")
@@ -120,6 +122,25 @@ def _tools_for(inp: SampleInput) -> list:
     if inp.toolset == "workspace+tasks":
         return [*TOOL_SPECS, *TASK_TOOL_SPECS, *inp.extra_tools]
     return [*TOOL_SPECS, *inp.extra_tools]
+
+
+def _spell_out_secrets(result: SamplingResult, redactor: Redactor) -> None:
+    """Rewrite a tool call's raw arguments that hide a secret in JSON escapes.
+
+    ``raw_arguments`` is kept as the provider sent it, but JSON may spell a
+    key with ``\\u`` escapes the redactor cannot see, while the parsed
+    arguments hold it plainly (and are redacted). Such a call's raw text is
+    replaced by its arguments re-serialized, so the key is redacted there
+    too and the call is recognised as one that held a secret (DESIGN §5).
+    """
+    if not redactor:
+        return
+    for call in result.tool_calls:
+        if call.arguments is None:
+            continue
+        plain = json.dumps(call.arguments, ensure_ascii=False)
+        if redactor.text(plain) != plain and redactor.text(call.raw_arguments) == call.raw_arguments:
+            call.raw_arguments = plain
 
 
 def _persisted_refusal(inp: SampleInput, rows: list) -> SamplingResult | None:
@@ -271,6 +292,7 @@ async def _sample(inp: SampleInput) -> SamplingResult:
     deltas = DeltaPublisher(
         round=inp.round, attempt=info.attempt,
         interval_s=settings.stream_deltas_s if inp.stream else 0.0,
+        redactor=current_redactor(settings),
     )
     try:
         # The heartbeat details carry the request count: a timeout reports
@@ -325,6 +347,7 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             next_retry_delay=delay,
         ) from None
     result.attempt = info.attempt
+    _spell_out_secrets(result, current_redactor(settings))
     size = len(result.model_dump_json())
     if size > MAX_RESULT_BYTES:
         # Temporal refuses payloads over 2 MiB and would retry the call

@@ -16,6 +16,7 @@ sandbox.
 
 from __future__ import annotations
 
+import json
 import re
 
 from stopline.core.contracts import (
@@ -192,7 +193,7 @@ def untriaged_calls(result: SamplingResult) -> dict[str, str]:
                 f"without the key."
             )
             for c in result.tool_calls
-            if REDACTED in c.raw_arguments
+            if REDACTED in c.raw_arguments or REDACTED in json.dumps(c.arguments, ensure_ascii=False)
         }
     out: dict[str, str] = {}
     for c in result.tool_calls:
