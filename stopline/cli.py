@@ -1273,12 +1273,25 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
     """`stopline interrupt`: send the ``interrupt`` Update (aborts the current turn only)."""
     async def go() -> int:
+        from temporalio.client import WorkflowExecutionStatus
+
         client, handle = await _handle(settings, args.id)
         desc = await _describe(handle)
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            from stopline.core import search_attributes as sa
+
+            state = _shown_status(desc.typed_search_attributes.get(sa.STATUS), desc.status)
+            raise UsageError(f"task {args.id} has ended ({state}); there is no turn to interrupt")
         problem = await _no_worker(client, settings, desc.task_queue)
         if problem is not None:
             raise UsageError(problem)
-        res = await handle.execute_update("interrupt", result_type=InterruptResult)
+        try:
+            res = await handle.execute_update("interrupt", result_type=InterruptResult)
+        except Exception:
+            # a stop closed the task while the interrupt was on its way
+            if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+                raise
+            res = InterruptResult(interrupted=False, ended=True)
         if args.json:
             print(res.model_dump_json())
         elif res.interrupted:

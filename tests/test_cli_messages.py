@@ -274,7 +274,14 @@ async def test_interrupt_lists_ids_joined(
         f"interrupted: aborted 1 call(s) (call_a), kept 0; the task waits for "
         f"`stopline message {task_id} TEXT`"
     )
-    await client.get_workflow_handle(task_id).cancel(reason="test cleanup")
+    handle = client.get_workflow_handle(task_id)
+    await handle.cancel(reason="stopline stop")
+    await handle.result()
+    again = await _acli(env, "interrupt", task_id)  # an ended task: said so, not an RPC error
+    assert again.returncode == 2
+    assert _one_line(again.stderr, "error:") == (
+        f"error: task {task_id} has ended (stopped); there is no turn to interrupt"
+    )
 
 
 @pytest.mark.usefixtures("worker")
