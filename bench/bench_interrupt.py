@@ -66,7 +66,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 from _common import (
     console,
     dev_server,
@@ -91,6 +90,7 @@ from temporalio.service import RPCError
 from stopline.activities.ledger import LedgerStore
 from stopline.core.contracts import InterruptResult
 from stopline.testing.scripted import ScriptedServer, anthropic_message, entry, scenario
+from stopline.testing.processes import group_alive
 
 # Each tool is followed by the pid it prints ($$): run tools unconfined, where
 # that pid is the host's (a sandboxed call has its own PID namespace;
@@ -154,16 +154,6 @@ async def grace_timer_s(handle: Any) -> float | None:
     return None if fired is None or started is None else fired - started
 
 
-def group_alive(pgid: int) -> list[int]:
-    """Live, non-zombie processes in process group ``pgid`` (psutil)."""
-    alive = []
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                alive.append(p.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return alive
 
 
 def last_ledger_kind(home: Path, task_id: str) -> str | None:

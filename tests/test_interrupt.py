@@ -5,7 +5,6 @@ real processes, real HTTP."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from datetime import timedelta
@@ -35,6 +34,7 @@ from stopline.core.contracts import (
 from stopline.testing.scripted import anthropic_message, entry, scenario
 from stopline.testing.workers import running_workers
 from stopline.workflows.agent_task import AgentTask
+from stopline.testing.processes import group_alive
 from tests.conftest import start_task
 
 # "unconfined": these tests follow each command by the pid it prints ($$),
@@ -65,15 +65,6 @@ async def _wait_state(handle: Any, state: str, timeout: float = 20.0) -> TaskSta
     raise AssertionError(f"task never reached {state}")
 
 
-def _group_alive(pgid: int) -> list[int]:
-    alive = []
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                alive.append(p.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return alive
 
 
 async def _interrupt(handle: Any) -> tuple[InterruptResult, float]:
@@ -108,7 +99,7 @@ async def test_interrupt_a_long_tool_leaves_no_process(
     assert res.interrupted and res.aborted_calls == ["c1"] and res.kept_calls == []
     assert took <= GRACE_S + SLACK_S, took
     # the process group is gone by the time the Update returns
-    assert _group_alive(pgid) == []
+    assert group_alive(pgid) == []
     if kind == "trap_behind_child":
         assert (workspace / "trap_ran").read_text().strip() == "cleaned"
     rows = _rows(stopline_home, handle.id)
@@ -214,9 +205,9 @@ async def test_background_shell_survives_interrupt_and_shell_kill_ends_it(
     result = await handle.result()
     assert result.status == "completed"
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _group_alive(bg_pid):
+    while time.monotonic() < deadline and group_alive(bg_pid):
         await asyncio.sleep(0.05)
-    assert _group_alive(bg_pid) == []
+    assert group_alive(bg_pid) == []
 
 
 async def test_watcher_finds_marker_on_disk_when_event_arrives(
@@ -423,7 +414,7 @@ async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace
         res, took = await _interrupt(handle)
         assert res.interrupted and res.aborted_calls == ["c1"]
         assert took < 3.0, took  # the grace timer (sub-second timers fire after ~1 s), not the tool
-        assert _group_alive(pgid) == []
+        assert group_alive(pgid) == []
         rows = _rows(stopline_home, handle.id)
         assert rows[-1].kind == "turn_aborted"
         assert next(r for r in rows if r.call_id == "c1").text.startswith("aborted by user")

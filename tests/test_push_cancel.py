@@ -11,14 +11,12 @@ within its bound. Real dev server, real processes, real HTTP.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
@@ -40,6 +38,7 @@ from stopline.settings import Settings, load_settings
 from stopline.testing.scripted import anthropic_message, entry, scenario
 from stopline.testing.workers import running_workers, wait_until
 from stopline.worker.runtime import build_workers, connect
+from stopline.testing.processes import group_alive
 from tests.conftest import start_task
 
 GRACE_S = 0.1
@@ -59,15 +58,6 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _group_alive(pgid: int) -> list[int]:
-    alive = []
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                alive.append(p.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return alive
 
 
 def _rows(home: Path, task_id: str) -> list[LedgerRow]:
@@ -132,7 +122,7 @@ async def test_the_abort_runs_in_the_seed_order_and_the_cancel_is_pushed(
     await asyncio.sleep(0.2)
     res = await handle.execute_update("interrupt", result_type=InterruptResult)
     assert res.interrupted and res.aborted_calls == ["c1"]
-    assert _group_alive(pgid) == []
+    assert group_alive(pgid) == []
     rows = _rows(stopline_home, handle.id)
     assert rows[-1].kind == "turn_aborted"
     # the receipt is the tool's own aborted result (it answered the push)
@@ -192,7 +182,7 @@ async def test_a_term_ignoring_tool_is_termed_then_killed_after_the_grace(
     await wait_until(lambda: _read(workspace / "ticks"), what="the first tick")
     res = await handle.execute_update("interrupt", result_type=InterruptResult)
     assert res.aborted_calls == ["c1"]
-    assert _group_alive(pgid) == []
+    assert group_alive(pgid) == []
     term_at = float(_read(workspace / "term_at") or "nan")
     # the last complete tick (the KILL may cut a write short)
     ticks = (workspace / "ticks").read_text().splitlines()
@@ -256,7 +246,7 @@ async def test_task_stop_reaches_the_running_call_by_push(
     await handle.cancel()
     result: AgentTaskResult = await handle.result()
     assert result.status == "stopped" and result.reason.startswith("cancelled by a workflow cancel request")
-    assert _group_alive(pgid) == []
+    assert group_alive(pgid) == []
     receipt = next(r for r in _rows(stopline_home, handle.id) if r.kind == "tool_result" and r.call_id == "c1")
     assert receipt.meta.get("aborted") and "Output so far" in (receipt.text or "")
     events = list((await handle.fetch_history()).events)
@@ -293,7 +283,7 @@ async def test_with_the_push_path_broken_the_temporal_cancel_still_aborts_cleanl
         assert res.interrupted
         if pgid is not None:
             assert res.aborted_calls == ["c1"]
-            assert _group_alive(pgid) == []  # the flush's SIGKILL
+            assert group_alive(pgid) == []  # the flush's SIGKILL
         assert _rows(stopline_home, handle.id)[-1].kind == "turn_aborted"
 
         # later: the heartbeat-borne cancel reaches the call and it ends
