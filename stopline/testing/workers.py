@@ -9,6 +9,7 @@ alike; this is that block, once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -18,10 +19,22 @@ from temporalio.worker import Worker
 
 _W = TypeVar("_W", bound=Sequence[Worker])
 
+#: Seconds to wait for the workers' shutdown (their graceful-shutdown grace
+#: for running activities, then the cancel) before giving up on it.
+SHUTDOWN_WAIT_S = 60.0
+#: Seconds to wait for the workers' run tasks to end after their shutdown.
+RUN_END_WAIT_S = 10.0
+
+log = logging.getLogger("stopline.testing")
+
 
 @asynccontextmanager
 async def running_workers(workers: _W) -> AsyncIterator[_W]:
     """Run ``workers`` for the block; shut each down after, also when the block raises.
+
+    The shutdown is bounded (:data:`SHUTDOWN_WAIT_S`, then the run tasks are
+    cancelled and given :data:`RUN_END_WAIT_S`): a worker that does not stop
+    is logged and left, never a teardown that hangs.
 
     Args:
         workers: Workers not yet running (e.g. from ``build_workers``).
@@ -33,11 +46,18 @@ async def running_workers(workers: _W) -> AsyncIterator[_W]:
     try:
         yield workers
     finally:
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        shutdowns = asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        try:
+            await asyncio.wait_for(shutdowns, SHUTDOWN_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("workers did not shut down within %g s; going on without them", SHUTDOWN_WAIT_S)
         for r in runs:
             if not r.done():
                 r.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
+        # bounded: a run that does not end once shut down and cancelled must
+        # not hold the caller (a test's teardown) for ever
+        if runs:
+            await asyncio.wait(runs, timeout=RUN_END_WAIT_S)
 
 
 async def wait_until(
