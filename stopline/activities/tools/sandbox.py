@@ -92,7 +92,9 @@ PROBE_TIMEOUT_S = 10.0
 #: when N processes were still running after the command exited. It defers
 #: SIGTERM (a handler, not "ignore", so the command does not inherit it) so
 #: it outlives the command it waits for. dash's ``kill`` has no ``-1``: each
-#: process found in /proc (the sandbox's own) is signalled by pid.
+#: process found in /proc (the sandbox's own) is signalled by pid — for the
+#: KILL, all are stopped first, so none runs on when its child dies before
+#: it (``/proc`` lists pids in text order: a child can come first).
 SUPERVISOR = r"""t=$1; shift
 trap : TERM INT HUP
 if ! command -v -- "$1" >/dev/null 2>&1; then printf 'notfound\n' >&0; exit 127; fi
@@ -119,7 +121,7 @@ if [ "$c" -gt 0 ]; then
   n=$c; how=SIGTERM; now; end=$((u+t))
   while sleep 0.01; left; [ "$c" -gt 0 ]; do
     now
-    if [ "$u" -ge "$end" ]; then how=SIGKILL; left KILL; break; fi
+    if [ "$u" -ge "$end" ]; then how=SIGKILL; left STOP; left KILL; break; fi
   done
   printf 'left %s %s\n' "$n" "$how" >&0
 fi
