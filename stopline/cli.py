@@ -166,6 +166,13 @@ def _first_line(err: BaseException) -> str:
     return text.strip().splitlines()[0]
 
 
+def _raise_if_undecodable(err: BaseException) -> None:
+    """Raise a UsageError naming the decode problem when ``err`` is one."""
+    decode = _decode_problem(err)
+    if decode is not None:
+        raise UsageError(decode) from None
+
+
 def _decode_problem(err: BaseException) -> str | None:
     """Why a payload could not be decoded, when that is what ``err`` is.
 
@@ -255,9 +262,7 @@ async def _query_status(client: Any, settings: Settings, handle: Any, desc: Any)
     try:
         return await handle.query("status", result_type=TaskStatus, rpc_timeout=QUERY_TIMEOUT)
     except Exception as err:
-        decode = _decode_problem(err)
-        if decode is not None:
-            raise UsageError(decode) from None
+        _raise_if_undecodable(err)
         if isinstance(err, RPCError):
             raise UsageError(f"the worker did not answer the status query of {handle.id}: "
                              f"{_first_line(err)}") from None
@@ -583,17 +588,13 @@ async def _follow(
                     return
             return  # a closed run's stream, drained
         except (RPCError, WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
-            decode = _decode_problem(err)
-            if decode is not None:
-                raise UsageError(decode) from None
+            _raise_if_undecodable(err)
             failures += 1
             if failures > 20:
                 raise
             await asyncio.sleep(min(0.1 * failures, 1.0))
         except Exception as err:
-            decode = _decode_problem(err)
-            if decode is not None:
-                raise UsageError(decode) from None
+            _raise_if_undecodable(err)
             raise
 
 
@@ -675,9 +676,7 @@ async def _result(handle: Any) -> AgentTaskResult:
     except WorkflowFailureError as err:
         raise UsageError(f"{handle.id} ended without a result: {_first_line(err.cause or err)}") from None
     except Exception as err:
-        decode = _decode_problem(err)
-        if decode is not None:
-            raise UsageError(decode) from None
+        _raise_if_undecodable(err)
         raise
 
 
@@ -1129,9 +1128,7 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
         except RPCError as err:
             raise UsageError(f"no task {args.id}: {err.message}") from None
         except Exception as err:
-            decode = _decode_problem(err)
-            if decode is not None:
-                raise UsageError(decode) from None
+            _raise_if_undecodable(err)
             raise
 
     async def go() -> int:
