@@ -28,7 +28,7 @@ from stopline.core.contracts import AgentTaskInput, AgentTaskResult, TaskLimits
 from stopline.settings import load_settings
 from stopline.testing.scripted import ScriptedServer
 from stopline.testing.workers import running_workers
-from stopline.worker.runtime import build_workers, temporal_binary
+from stopline.worker.runtime import build_workers, free_port, temporal_binary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -106,6 +106,21 @@ async def worker(
     """In-process workers serving ``task_queue`` (workflows and activities)."""
     async with running_workers(build_workers(client, load_settings(), task_queue=task_queue)) as workers:
         yield workers
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a CLI subprocess on its own embedded server: a fresh
+    ``$STOPLINE_HOME``, free ports, no configured cluster, temp files (the
+    demo's kept workspace) in this test's tmp dir."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TEMPORAL_ADDRESS", "STOPLINE_HOME")}
+    env.update(
+        STOPLINE_HOME=str(tmp_path / "home"),
+        STOPLINE_DEV_SERVER_PORT=str(free_port()),
+        STOPLINE_DEV_SERVER_UI_PORT=str(free_port()),
+        TMPDIR=str(tmp_path),
+    )
+    return env
 
 
 @pytest.fixture

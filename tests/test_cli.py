@@ -6,27 +6,14 @@ nothing running."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from stopline.worker.runtime import free_port, port_open
+from stopline.worker.runtime import port_open
 from stopline.testing.scripted import anthropic_message, entry, scenario
-
-
-@pytest.fixture
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TEMPORAL_ADDRESS", "STOPLINE_HOME")}
-    env.update(
-        STOPLINE_HOME=str(tmp_path / "home"),
-        STOPLINE_DEV_SERVER_PORT=str(free_port()),
-        STOPLINE_DEV_SERVER_UI_PORT=str(free_port()),
-        TMPDIR=str(tmp_path),  # the demo keeps its workspace: keep it in the test's tmp dir
-    )
-    return env
 
 
 def _stopline(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -18,21 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
-import pytest
 
 from stopline.testing.scripted import anthropic_message, entry, scenario
 from stopline.worker.runtime import free_port, port_open
-
-
-@pytest.fixture
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("TEMPORAL_ADDRESS", "STOPLINE_HOME")}
-    env.update(
-        STOPLINE_HOME=str(tmp_path / "home"),
-        STOPLINE_DEV_SERVER_PORT=str(free_port()),
-        STOPLINE_DEV_SERVER_UI_PORT=str(free_port()),
-    )
-    return env
 
 
 def _stopline(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
