@@ -1080,6 +1080,8 @@ def _print_rows(rows: list[LedgerRow], as_json: bool) -> None:
             print(row.model_dump_json())
             continue
         vis = "" if row.model_visible else " [dim](hidden from model)[/dim]"
+        if row.meta.get("in_flight"):
+            vis += " [dim](its tool calls are running; not yet a row)[/dim]"
         head = f"[bold]#{row.seq} r{row.round} {row.kind}[/bold]{vis}"
         if row.kind == "tool_result":
             head += f" {escape(row.tool_name or '')} {escape(row.call_id or '')} ok={row.ok}"
@@ -1103,18 +1105,24 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
     from stopline.activities.history import rows_from_history
     from stopline.core.search_attributes import literal
 
+    in_flight: list[Any] = []  # a round's response whose tool calls are running
+
     async def held_rows(client: Any) -> list[LedgerRow]:
         """A running task's own rows (its ``ledger`` Query): the ones no
         activity has carried into history yet. Nothing when it is not
-        running or no worker answers — the history's rows stand alone."""
+        running or no worker answers — the history's rows stand alone.
+        A response whose calls its sampling activity is running (DESIGN §1)
+        is no row yet: it is read from that activity's heartbeat."""
         from temporalio.client import WorkflowExecutionStatus
 
         handle = client.get_workflow_handle(args.id)
         try:
-            if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+            desc = await handle.describe()
+            if desc.status != WorkflowExecutionStatus.RUNNING:
                 return []
         except RPCError:
             return []  # no such task: the history read says so
+        in_flight.extend(await _round_in_flight(client, desc))
         try:
             return await handle.query("ledger", result_type=list[LedgerRow], rpc_timeout=QUERY_TIMEOUT)
         except Exception as err:  # still a transcript: what history holds
@@ -1134,7 +1142,13 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
     async def go() -> int:
         client = await _client(settings)
         if not args.all_runs:
-            _print_rows(await rows_of(client, None, await held_rows(client)), args.json)
+            rows = await rows_of(client, None, await held_rows(client))
+            for response in in_flight:
+                rows.append(LedgerRow(
+                    seq=(rows[-1].seq if rows else 0) + 1, kind="assistant", text=response.text,
+                    tool_calls=list(response.tool_calls), meta={"in_flight": True},
+                ))
+            _print_rows(rows, args.json)
             return 0
         runs = [wf async for wf in client.list_workflows(f"WorkflowId = {literal(args.id)}")]
         if not runs:
@@ -1151,6 +1165,28 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
         return 0
 
     return asyncio.run(go())
+
+
+async def _round_in_flight(client: Any, desc: Any) -> list[Any]:
+    """The response of a running sampling activity that is running its
+    round's tool calls (recorded in its heartbeat before they started,
+    ``stopline.activities.round_tools``); empty when there is none."""
+    from stopline.core.contracts import SAMPLE_ACTIVITY, SamplingResult
+    from stopline.core.policies import recorded_response
+
+    found: list[SamplingResult] = []
+    for pending in desc.raw_description.pending_activities:
+        if pending.activity_type.name != SAMPLE_ACTIVITY or not pending.heartbeat_details.payloads:
+            continue
+        try:
+            details = await client.data_converter.decode(pending.heartbeat_details.payloads)
+            recorded = recorded_response(details)
+            if recorded is not None:
+                found.append(SamplingResult.model_validate(recorded["round_tools"]))
+        except Exception as err:  # undecodable (another codec key): say so, show the rest
+            _raise_if_undecodable(err)
+            raise
+    return found
 
 
 def cmd_move(args: argparse.Namespace, settings: Settings) -> int:

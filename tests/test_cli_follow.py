@@ -335,9 +335,10 @@ async def test_a_base_url_given_to_run_reaches_a_worker_started_before(
 async def test_transcript_of_a_running_task_shows_the_message_whose_calls_run(
     client: Client, env: dict[str, str], scripted: Any, workspace: Path,
 ) -> None:
-    """The model's message is a row the moment its tool calls start, though
-    no activity has carried it into history yet: the transcript has it, as
-    ``status`` counts it."""
+    """The model's message whose tool calls its sampling activity is running
+    is no row of the task yet (``status`` does not count it), but it is
+    recorded in that activity's heartbeat before any call starts: the
+    transcript shows it, marked in flight."""
     server = scripted(scenario("anthropic", entry(anthropic_message(
         "listing, then waiting", tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})]))))
     task_id = f"task-{uuid.uuid4().hex[:8]}"
@@ -351,10 +352,11 @@ async def test_transcript_of_a_running_task_shows_the_message_whose_calls_run(
         assert out.returncode == 0, out.stderr
         rows = [json.loads(line) for line in out.stdout.splitlines()]
         status = await client.get_workflow_handle(task_id).query("status", result_type=TaskStatus)
-        assert len(rows) == status.rows, (rows, status)
+        assert len(rows) == status.rows + 1, (rows, status)
         (message,) = [r for r in rows if r["kind"] == "assistant"]
         assert message["text"] == "listing, then waiting"
         assert [c["id"] for c in message["tool_calls"]] == ["c1"]
+        assert message["meta"] == {"in_flight": True} and message is rows[-1]
     finally:
         await client.get_workflow_handle(task_id).cancel(reason="test cleanup")
 

@@ -25,7 +25,7 @@ import pytest_asyncio
 from temporalio.client import Client
 
 from stopline.activities.ledger import LedgerStore
-from stopline.core.contracts import AgentTaskResult, LedgerRow
+from stopline.core.contracts import AgentTaskResult, InterruptResult, LedgerRow
 from stopline.testing.scripted import anthropic_message, entry, scenario
 from tests._worker_proc import Workers
 from tests.conftest import start_task
@@ -184,10 +184,16 @@ async def test_kill_9_mid_sampling_retries_the_call_and_loses_no_row(
 
 
 @pytest.mark.usefixtures("unconfined")  # follows the command by the pid it prints
+@pytest.mark.parametrize("round_tools", [True, False], ids=["round-tools", "tool-activity"])
 async def test_kill_9_mid_tool_gives_a_lost_receipt_and_never_reruns_it(
     client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
-    procs: Workers,
+    procs: Workers, round_tools: bool,
 ) -> None:
+    """``round-tools``: the call runs in its round's sampling activity (DESIGN
+    §1); its response was recorded in a heartbeat before it started, so the
+    retry does not sample again — the model gets the response's receipt and
+    the provider sees no extra request. ``tool-activity``: the call is its
+    own activity, which times out."""
     server = scripted(scenario(
         "anthropic",
         entry(anthropic_message(tool_calls=[("c0", "shell", {"command": "echo zero"})])),
@@ -200,7 +206,8 @@ async def test_kill_9_mid_tool_gives_a_lost_receipt_and_never_reruns_it(
     try:
         first = await procs.start()
         handle = await start_task(
-            client, task_queue, server, workspace, heartbeat_timeout_s=HEARTBEAT_S
+            client, task_queue, server, workspace, heartbeat_timeout_s=HEARTBEAT_S,
+            round_tools=round_tools,
         )
         tool_pgid = int(await _wait_file(workspace / "pid"))
         await asyncio.sleep(0.1)
@@ -233,6 +240,56 @@ async def test_kill_9_mid_tool_gives_a_lost_receipt_and_never_reruns_it(
         record = stopline_home / "procs" / handle.id / "c1.json"
         assert survived_kill
         assert not _live(tool_pgid) and not record.exists()
+    finally:
+        if tool_pgid is not None:
+            _kill_group(tool_pgid)
+
+
+@pytest.mark.usefixtures("unconfined")  # follows the command by the pid it prints
+async def test_an_interrupt_while_the_rounds_worker_is_dead_gives_its_call_a_lost_receipt(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path,
+    procs: Workers,
+) -> None:
+    """The call runs in its round's sampling activity (DESIGN §1), whose
+    worker is SIGKILLed; the interrupt comes while no worker runs, so no
+    push can reach the call. Once a worker is back the abort learns from
+    Temporal what the round recorded — the response, in its heartbeat — and
+    the call gets a "lost" receipt before the marker: recorded once, never
+    run again, and the model is not asked that round again."""
+    server = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message("running it", tool_calls=[(
+            "c1", "shell", {"command": "echo started >> starts; echo $$ > pid; sleep 30"},
+        )])),
+        entry(anthropic_message("after the interrupt")),
+    ))
+    tool_pgid: int | None = None
+    try:
+        first = await procs.start()
+        handle = await start_task(client, task_queue, server, workspace, heartbeat_timeout_s=HEARTBEAT_S)
+        tool_pgid = int(await _wait_file(workspace / "pid"))
+        first.kill()
+        interrupt = asyncio.ensure_future(handle.execute_update("interrupt", result_type=InterruptResult))
+        await asyncio.sleep(0.5)
+        assert not interrupt.done()  # no worker: nothing can answer yet
+        await procs.start()
+        res = await asyncio.wait_for(interrupt, RESULT_TIMEOUT_S)
+        assert res.interrupted and res.kept_calls == ["c1"] and res.aborted_calls == [], res
+        rows = _rows(stopline_home, handle.id)
+        assert rows[-1].kind == "turn_aborted"
+        (message,) = [r for r in rows if r.kind == "assistant"]
+        assert message.text == "running it" and [c.id for c in message.tool_calls] == ["c1"]
+        (lost,) = _tool_results(rows, "c1")
+        assert lost.text.startswith("lost:") and lost.ok is False, lost.text
+        assert lost.seq == message.seq + 1 and rows[-1].seq == lost.seq + 1
+
+        await handle.execute_update("message", "go on")
+        result = await _result(handle, procs)
+        assert result.status == "completed" and result.final_text == "after the interrupt", result
+        assert server.request_count() == 2  # round 1 was never sampled again
+        assert (workspace / "starts").read_text().splitlines() == ["started"]
+        assert_seqs_contiguous(_rows(stopline_home, handle.id))
+        await _until(lambda: not _live(tool_pgid), "the lost call's group to be killed")
     finally:
         if tool_pgid is not None:
             _kill_group(tool_pgid)

@@ -421,14 +421,15 @@ async def test_reset_forks_the_ledger_and_the_model_never_sees_the_abandoned_bra
     first = await _result(handle, fleet)
     assert first.final_text == "first run done"
     history = await handle.fetch_history()
-    # reset to the workflow task that completed right after round 1's tool result
+    # reset to the workflow task that completed right after round 1's tool
+    # result: its sampling activity ran the call (DESIGN §1)
     tool_done = next(
         e.event_id for e in history.events
         if e.HasField("activity_task_completed_event_attributes")
         and e.activity_task_completed_event_attributes.scheduled_event_id in {
             s.event_id for s in history.events
             if s.HasField("activity_task_scheduled_event_attributes")
-            and s.activity_task_scheduled_event_attributes.activity_type.name == "stopline.tool"
+            and s.activity_task_scheduled_event_attributes.activity_type.name == "stopline.sample"
         }
     )
     wft = next(e.event_id for e in history.events

@@ -131,3 +131,31 @@ def test_response_with_repeated_call_ids_is_an_engine_error() -> None:
     assert policies.response_shape_problem(ok) is None
     dup = SamplingResult(provider="p", model="m", tool_calls=[_call("a", args={}), _call("a", args={})])
     assert "repeat" in (policies.response_shape_problem(dup) or "")
+
+
+def _calls(*names: str) -> list[ToolCall]:
+    return [ToolCall(id=f"c{i}", name=n, arguments={}, raw_arguments="{}") for i, n in enumerate(names)]
+
+
+def test_round_tool_calls_runs_all_host_calls_or_none() -> None:
+    """The sampling activity runs a response's calls only when the workflow
+    would run every one on the host, unchanged (DESIGN §1)."""
+    host = SamplingResult(provider="p", model="m", tool_calls=_calls("shell", "read_file"), stop_reason="tool_use")
+    assert [c.id for c in policies.round_tool_calls(host, set())] == ["c0", "c1"]
+    # a sub-task tool runs in the workflow, a team's tool on its queue: none here
+    assert policies.round_tool_calls(host.model_copy(update={"tool_calls": _calls("shell", "task_start")}), set()) == []
+    assert policies.round_tool_calls(host, {"read_file"}) == []
+    # a cut-off response runs nothing; nor does a malformed one, or a refusal
+    cut = host.model_copy(update={"stop_reason": "max_tokens"})
+    assert policies.untriaged_calls(cut) and policies.round_tool_calls(cut, set()) == []
+    twice = host.model_copy(update={"tool_calls": _calls("shell") + _calls("shell")})
+    assert policies.response_shape_problem(twice) and policies.round_tool_calls(twice, set()) == []
+    assert policies.round_tool_calls(SamplingResult(provider="p", model="m"), set()) == []
+
+
+def test_recorded_response_reads_only_a_recorded_round() -> None:
+    details = {"attempt": 1, "requests": 1, policies.ROUND_TOOLS_DETAILS_KEY: {"provider": "p", "model": "m"}}
+    assert policies.recorded_response([details]) == details
+    assert policies.recorded_response([{"attempt": 1, "requests": 1}]) is None
+    assert policies.recorded_response([]) is None and policies.recorded_response(None) is None
+    assert policies.recorded_response(["not a dict"]) is None

@@ -101,12 +101,24 @@ def _index(events: list[Any], event: Any) -> int:
     return next(i for i, e in enumerate(events) if e.event_id == event.event_id)
 
 
+def _call_activity(round_tools: bool) -> str:
+    """The activity running a round-1 tool call: its sampling activity when
+    it runs the round's calls (DESIGN §1), else the call's own."""
+    return "stopline.sample" if round_tools else TOOL_ACTIVITY
+
+
+def _pushed_keys(round_tools: bool) -> list[str]:
+    """What the push of an abort during round 1's call ``c1`` cancels."""
+    return ["sample:1"] if round_tools else ["call:c1"]
+
+
 # ------------------------------------------------------------------ push path
 
 
 @pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("round_tools", [True, False], ids=["round-tools", "tool-activity"])
 async def test_the_abort_runs_in_the_seed_order_and_the_cancel_is_pushed(
-    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path, round_tools: bool
 ) -> None:
     """Signal (push + Temporal cancel in one workflow task), grace (the tool
     answers), the irreversible step (the flush kills what did not finish),
@@ -117,7 +129,8 @@ async def test_the_abort_runs_in_the_seed_order_and_the_cancel_is_pushed(
         "anthropic",
         entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
     ))
-    handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S)
+    handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S,
+                              round_tools=round_tools)
     pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
     await asyncio.sleep(0.2)
     res = await handle.execute_update("interrupt", result_type=InterruptResult)
@@ -132,20 +145,24 @@ async def test_the_abort_runs_in_the_seed_order_and_the_cancel_is_pushed(
     events = list((await handle.fetch_history()).events)
     accepted = next(e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
     [push] = _scheduled(events, CANCEL_CALLS_ACTIVITY)
-    [tool] = _scheduled(events, TOOL_ACTIVITY)
-    cancel_requested = next(
-        e for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED
-    )
+    [tool] = _scheduled(events, _call_activity(round_tools))
+    cancels = [e for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED]
     flushes = _scheduled(events, LEDGER_FLUSH_ACTIVITY)
     completed = next(e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED)
     assert len(flushes) == 1
     flush = flushes[0]
-    # 1. signal: push and Temporal cancel issued by the same workflow task
-    assert push.activity_task_scheduled_event_attributes.workflow_task_completed_event_id == (
-        cancel_requested.activity_task_cancel_requested_event_attributes.workflow_task_completed_event_id
-    )
+    if round_tools:
+        # 1. signal: the push alone — a sampling activity running its round's
+        # calls gets Temporal's cancel only if the push does not answer
+        assert cancels == []
+    else:
+        # 1. signal: push and Temporal cancel issued by the same workflow task
+        (cancel_requested,) = cancels
+        assert push.activity_task_scheduled_event_attributes.workflow_task_completed_event_id == (
+            cancel_requested.activity_task_cancel_requested_event_attributes.workflow_task_completed_event_id
+        )
     assert _index(events, accepted) < _index(events, push)
-    assert _pushed(client, events).cancelled == ["call:c1"]
+    assert _pushed(client, events).cancelled == _pushed_keys(round_tools)
     # 2. grace: the tool answered before the hard abort; the timer never fired
     tool_closed = _closed(events, tool)
     assert tool_closed is not None and tool_closed.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
@@ -230,8 +247,9 @@ async def test_a_dropped_sampling_call_counts_and_the_task_goes_on(
 
 
 @pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("round_tools", [True, False], ids=["round-tools", "tool-activity"])
 async def test_task_stop_reaches_the_running_call_by_push(
-    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path, round_tools: bool
 ) -> None:
     """``task_stop`` (workflow cancel) aborts the turn in flight the same
     way: the cancel is pushed to the call's host, the group is gone, the
@@ -240,7 +258,8 @@ async def test_task_stop_reaches_the_running_call_by_push(
         "anthropic",
         entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
     ))
-    handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S)
+    handle = await start_task(client, task_queue, server, workspace, interrupt_grace_s=GRACE_S,
+                              round_tools=round_tools)
     pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
     await asyncio.sleep(0.2)
     await handle.cancel()
@@ -250,21 +269,23 @@ async def test_task_stop_reaches_the_running_call_by_push(
     receipt = next(r for r in _rows(stopline_home, handle.id) if r.kind == "tool_result" and r.call_id == "c1")
     assert receipt.meta.get("aborted") and "Output so far" in (receipt.text or "")
     events = list((await handle.fetch_history()).events)
-    assert _pushed(client, events).cancelled == ["call:c1"]
+    assert _pushed(client, events).cancelled == _pushed_keys(round_tools)
 
 
 # ------------------------------------------------------------------ fallback
 
 
-@pytest.mark.parametrize("what", ["tool", "sampling"])
+@pytest.mark.parametrize(("what", "round_tools"), [("tool", False), ("tool", True), ("sampling", True)])
 async def test_with_the_push_path_broken_the_temporal_cancel_still_aborts_cleanly(
-    client: Client, scripted: Any, workspace: Path, stopline_home: Path, what: str
+    client: Client, scripted: Any, workspace: Path, stopline_home: Path, what: str, round_tools: bool
 ) -> None:
     """The worker serves no ``stopline.cancel_calls`` (push off): the control
-    activity fails, the grace timer and the flush abort the turn, and
-    Temporal's cancel reaches the call on its next heartbeat — later, but
-    the call ends (a tool: the flush's SIGKILL ends its process; a sampling
-    call: the cancel drops it), nothing is left running, the task goes on."""
+    activity fails, and Temporal's cancel reaches the call on its next
+    heartbeat — later, but the call ends (a tool activity: the grace timer
+    and the flush's SIGKILL end it at once; a call its sampling activity
+    runs: the abort waits for that activity's answer, which names the call;
+    a sampling call: the cancel drops it), nothing is left running, the
+    task goes on."""
     queue = f"nopush-{uuid.uuid4().hex[:8]}"
     async with _workers(client, queue, push_cancel=False):
         if what == "tool":
@@ -272,7 +293,8 @@ async def test_with_the_push_path_broken_the_temporal_cancel_still_aborts_cleanl
         else:
             first = entry(anthropic_message("never stored"), delay_s=60)
         server = scripted(scenario("anthropic", first, entry(anthropic_message("ok, stopped"))))
-        handle = await start_task(client, queue, server, workspace, interrupt_grace_s=GRACE_S)
+        handle = await start_task(client, queue, server, workspace, interrupt_grace_s=GRACE_S,
+                                  round_tools=round_tools)
         pgid = None
         if what == "tool":
             pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
@@ -288,7 +310,7 @@ async def test_with_the_push_path_broken_the_temporal_cancel_still_aborts_cleanl
 
         # later: the heartbeat-borne cancel reaches the call and it ends
         bound = DEFAULT_THROTTLE_S + 10.0
-        activity = TOOL_ACTIVITY if what == "tool" else "stopline.sample"
+        activity = _call_activity(round_tools) if what == "tool" else "stopline.sample"
 
         async def call_closed() -> bool:
             events = list((await handle.fetch_history()).events)

@@ -128,12 +128,12 @@ async def test_divergent_code_is_reported_with_the_event(
 
 
 @pytest.mark.usefixtures("worker")
-@pytest.mark.parametrize(("nth", "renamed"), [(0, "stopline.renamed"), (2, "stopline.tool")])
+@pytest.mark.parametrize(("nth", "renamed"), [(0, "stopline.renamed"), (1, "stopline.tool")])
 async def test_cli_exits_1_on_a_divergent_history_and_names_the_event(
     client: Client, task_queue: str, scripted: Any, workspace: Path, tmp_path: Path,
     nth: int, renamed: str,
 ) -> None:
-    """A history whose n-th scheduled activity the current code would not
+    """A history whose n-th sampling activity the current code would not
     schedule (its type changed in the file) makes ``stopline replay FILE``
     exit 1 naming that event — also deep in the history, where the SDK's
     message names no event and the same activity type occurs earlier."""
@@ -141,7 +141,7 @@ async def test_cli_exits_1_on_a_divergent_history_and_names_the_event(
     history = await handle.fetch_history()
     scheduled = [
         ev for ev in history.events if ev.HasField("activity_task_scheduled_event_attributes")
-        and ev.activity_task_scheduled_event_attributes.activity_type.name != "stopline.host_session"
+        and ev.activity_task_scheduled_event_attributes.activity_type.name == "stopline.sample"
     ]
     target = scheduled[nth]
     original = target.activity_task_scheduled_event_attributes.activity_type.name

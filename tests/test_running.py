@@ -122,3 +122,33 @@ async def test_finish_off_loop_completes_its_step_despite_a_cancel() -> None:
     await asyncio.sleep(0.02)
     task.cancel()
     assert await task == 7 and done == [1]
+
+
+async def test_a_cancel_that_finds_the_work_done_reaches_the_keys_next_unit() -> None:
+    """A round's sampling finished just as its cancel arrived: the cancel is
+    remembered for the key, so the round's tool calls (registered under it
+    next, DESIGN §1) are cancelled before they start."""
+    calls = RunningCalls()
+    done = asyncio.Event()
+
+    async def sampled() -> str:
+        done.set()
+        return "response"
+
+    async def cancel_when_done(key: str = "sample:1") -> list[str]:
+        await done.wait()
+        return calls.cancel("t1", [key], reason="interrupt")
+
+    canceller = asyncio.ensure_future(cancel_when_done())
+    assert await calls.run("t1", "sample:1", sampled(), pass_on_late_cancel=True) == "response"
+    assert await canceller == ["sample:1"]  # it found the unit, its work already done
+    with calls.register("t1", "sample:1", asyncio.ensure_future(asyncio.sleep(0))) as unit:
+        assert unit.cancelled and unit.cancel_reason == "interrupt"
+    # by default (a tool call's key: a model may name a later call the same)
+    # a late cancel is not passed on
+    done.clear()
+    canceller = asyncio.ensure_future(cancel_when_done("call:c1"))
+    assert await calls.run("t1", "call:c1", sampled()) == "response"
+    assert await canceller == ["call:c1"]
+    with calls.register("t1", "call:c1", asyncio.ensure_future(asyncio.sleep(0))) as unit:
+        assert not unit.cancelled

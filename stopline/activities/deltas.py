@@ -18,7 +18,10 @@ it completes each watcher's pending poll (an Update: one more Action and
 history events per watcher; ``bench/bench_cli.py`` measured about 9 history
 events per publish with one watcher). At 0.25 s, a 60 s model call costs at
 most 240 publishes, whatever the token rate, and a call shorter than one
-interval costs none;
+interval costs none — nor does one shorter than
+:data:`UNWATCHED_FIRST_PUBLISH_S` when nobody watched the task as it started
+(``SampleInput.watched``; a watcher attaching later still sees a long call
+stream);
 ``STOPLINE_STREAM_DELTAS_S=0`` turns streaming off (watchers then see each
 message whole).
 
@@ -46,6 +49,8 @@ log = structlog.get_logger("stopline.deltas")
 
 #: Longest the end of a model call waits for a publish in flight, seconds.
 FINAL_FLUSH_S = 5.0
+#: Seconds before the first publish of a call nobody watched when it started.
+UNWATCHED_FIRST_PUBLISH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -108,14 +113,20 @@ class DeltaPublisher:
         attempt: The activity attempt (a retry streams again from the start).
         interval_s: Seconds between publishes; ``<= 0`` disables publishing.
         redactor: The configured secrets (``None``: none).
+        first_after_s: No publish before this many seconds of the call
+            (:data:`UNWATCHED_FIRST_PUBLISH_S` when nobody watched as it
+            started: a shorter call publishes nothing for nobody, a longer
+            one still streams to a watcher who attaches meanwhile).
     """
 
     def __init__(
-        self, *, round: int, attempt: int, interval_s: float, redactor: Redactor | None = None
+        self, *, round: int, attempt: int, interval_s: float, redactor: Redactor | None = None,
+        first_after_s: float = 0.0,
     ) -> None:
         self.round = round
         self.attempt = attempt
         self.interval_s = interval_s
+        self.first_after_s = first_after_s
         self.published = 0
         self._redactor = redactor if redactor else None
         self._streams: dict[tuple[str, int], StreamRedactor[str]] = {}
@@ -176,8 +187,10 @@ class DeltaPublisher:
         self._buffer.append(delta)
 
     async def _run(self) -> None:
+        first = True
         while self.enabled:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(max(self.interval_s, self.first_after_s) if first else self.interval_s)
+            first = False
             if not self._buffer:
                 continue
             async with self._publishing:

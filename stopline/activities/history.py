@@ -135,6 +135,9 @@ async def rows_from_history(
                         "text": res.text,
                         "tool_calls": [c.model_dump() for c in res.tool_calls],
                     }
+                    for call_id, ran in (res.tool_outcomes or {}).items():  # round tools (DESIGN §1)
+                        if isinstance(ran, RespondToModel):
+                            content[f"call-{call_id}"] = {"text": ran.text}
                 else:
                     outcome = await _decode(client, attrs.result, ToolOutcome)
                     if isinstance(outcome, RespondToModel):

@@ -49,6 +49,11 @@ from stopline.core.contracts import (
     HOST_CLAIMED_SIGNAL,
     HOST_SESSION_ACTIVITY,
     LIST_HOSTS_ACTIVITY,
+    ROUND_RECORD_ACTIVITY,
+    SAMPLE_ACTIVITY,
+    RoundRecord,
+    RoundRecordInput,
+    SamplingResult,
     WORKSPACE_MARKER_FILE,
     HostClaim,
     HostInfo,
@@ -523,3 +528,43 @@ async def list_hosts(inp: ListHostsInput) -> list[HostInfo]:
     was lost.
     """
     return await describe_hosts(activity.client(), inp.task_queue, max_age_s=inp.max_age_s)
+
+
+@activity.defn(name=ROUND_RECORD_ACTIVITY)
+async def round_record(inp: RoundRecordInput) -> RoundRecord:
+    """What a task's running sampling activity recorded with Temporal (DESIGN §1).
+
+    The workflow asks before it gives up on a sampling activity that runs a
+    round's tool calls and has not answered — its host is lost — because
+    only Temporal still holds that activity's last heartbeat, and with it the
+    response whose calls may have run; a cancel would end a retry waiting
+    for the gone host at once, details and all. Runs on the workflow task
+    queue: any worker can answer, whichever host was lost.
+
+    Returns:
+        The pending sampling activity's state and recorded response;
+        ``pending=False`` when there is none.
+    """
+    from temporalio.api.enums.v1 import PendingActivityState
+
+    from stopline.core.policies import ROUND_TOOLS_DETAILS_KEY, recorded_response
+
+    client = activity.client()
+    desc = await client.get_workflow_handle(inp.workflow_id, run_id=inp.run_id).describe()
+    for pending in desc.raw_description.pending_activities:
+        if pending.activity_type.name != SAMPLE_ACTIVITY:
+            continue
+        response, by = None, 0
+        if pending.heartbeat_details.payloads:
+            recorded = recorded_response(await client.data_converter.decode(pending.heartbeat_details.payloads))
+            if recorded is not None:
+                response = SamplingResult.model_validate(recorded[ROUND_TOOLS_DETAILS_KEY])
+                by = recorded.get("attempt") if isinstance(recorded.get("attempt"), int) else 0
+        started = pending.state in (
+            PendingActivityState.PENDING_ACTIVITY_STATE_STARTED,
+            PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED,
+        )
+        return RoundRecord(
+            pending=True, started=started, attempt=pending.attempt, response=response, recorded_attempt=by,
+        )
+    return RoundRecord()

@@ -125,7 +125,8 @@ class RunningCalls:
 
     @contextmanager
     def register(
-        self, task_id: str, key: str, task: asyncio.Task[Any] | None = None
+        self, task_id: str, key: str, task: asyncio.Task[Any] | None = None, *,
+        pass_on_late_cancel: bool = False,
     ) -> Iterator[Unit]:
         """Register ``task`` (default: the current task) for the block.
 
@@ -136,6 +137,11 @@ class RunningCalls:
             task_id: Owning task.
             key: The unit's key within the task.
             task: The asyncio task a cancel goes to.
+            pass_on_late_cancel: A cancel that reaches the unit after its
+                work is done is remembered for the key's next unit, like one
+                that came before a start (a round's sampling hands it to the
+                round's tool calls, DESIGN §1). Off for keys a model names
+                (call ids may repeat across rounds).
 
         Yields:
             The :class:`Unit`.
@@ -160,9 +166,14 @@ class RunningCalls:
                 units.remove(unit)
             if not units:
                 self._units.pop(k, None)
+                if pass_on_late_cancel and unit.cancelled and task.done() and not task.cancelled():
+                    # the cancel came after the work was done: remember it like
+                    # one that came before a start, so the key's next unit (a
+                    # round's tool calls after its sampling) is cancelled too
+                    self._tombstones[k] = (time.monotonic() + self._ttl, unit.cancel_reason or "")
             unit.ended.set()
 
-    async def run(self, task_id: str, key: str, work: Awaitable[T]) -> T:
+    async def run(self, task_id: str, key: str, work: Awaitable[T], *, pass_on_late_cancel: bool = False) -> T:
         """Run ``work`` as a registered unit and return its result.
 
         ``work`` runs in its own asyncio task, so a cancel of the caller —
@@ -175,6 +186,7 @@ class RunningCalls:
             task_id: Owning task.
             key: The unit's key.
             work: A coroutine or future.
+            pass_on_late_cancel: See :meth:`register`.
 
         Returns:
             What ``work`` returned.
@@ -187,7 +199,7 @@ class RunningCalls:
             Exception: Whatever ``work`` raised.
         """
         inner = asyncio.ensure_future(work)
-        with self.register(task_id, key, inner) as unit:
+        with self.register(task_id, key, inner, pass_on_late_cancel=pass_on_late_cancel) as unit:
             while not inner.done():
                 try:
                     await asyncio.wait({inner})

@@ -30,16 +30,16 @@ import functools
 import json
 import ssl
 import weakref
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import httpx
 import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
-from stopline.activities import scripted_models
+from stopline.activities import round_tools, scripted_models
 from stopline.activities._heartbeat import heartbeating
-from stopline.activities.deltas import DeltaPublisher
+from stopline.activities.deltas import UNWATCHED_FIRST_PUBLISH_S, DeltaPublisher
 from stopline.activities.ledger import append_rows, default_store
 from stopline.activities.running import current, sampling_key
 from stopline.activities.providers.base import ProviderError
@@ -51,8 +51,14 @@ from stopline.core.contracts import (
     Refusal,
     SampleInput,
     SamplingResult,
+    ToolCall,
 )
-from stopline.core.policies import ConversationInvalid, rows_to_messages, validate_conversation
+from stopline.core.policies import (
+    ConversationInvalid,
+    round_tool_calls,
+    rows_to_messages,
+    validate_conversation,
+)
 from stopline.secrets import Redactor, current_redactor
 from stopline.settings import Settings, load_settings
 
@@ -143,6 +149,36 @@ def _spell_out_secrets(result: SamplingResult, redactor: Redactor) -> None:
             call.raw_arguments = plain
 
 
+#: Seconds a round's tool calls need beyond their own timeout, to end and
+#: report (the ``stopline.tool`` activity's start-to-close has the same room).
+ROUND_TOOLS_ROOM_S = 60.0
+
+
+def _room_for_calls(info: activity.Info, call_timeout_s: float) -> bool:
+    """Whether the round's calls fit in what is left of this attempt's
+    start-to-close and the call's schedule-to-close (the sampling bounds,
+    ``TaskLimits.sampling_timeout_s`` / ``sampling_total_timeout_s``): a
+    bound that fired mid-call would end it "lost" though its worker lives."""
+    now = datetime.now(timezone.utc)
+    need = timedelta(seconds=call_timeout_s + ROUND_TOOLS_ROOM_S)
+    if info.start_to_close_timeout and now + need > info.started_time + info.start_to_close_timeout:
+        return False
+    if info.schedule_to_close_timeout and now + need > info.scheduled_time + info.schedule_to_close_timeout:
+        return False
+    return True
+
+
+def _holds_secret(call: ToolCall, redactor: Redactor) -> bool:
+    """Whether a configured secret is in a tool call's arguments (raw or
+    parsed): the data converter masks it on the way to the workflow."""
+    if not redactor:
+        return False
+    if redactor.text(call.raw_arguments) != call.raw_arguments:
+        return True
+    plain = json.dumps(call.arguments, ensure_ascii=False) if call.arguments is not None else ""
+    return redactor.text(plain) != plain
+
+
 def _persisted_refusal(inp: SampleInput, rows: list) -> SamplingResult | None:
     """A task whose ledger holds a refusal stop is never sampled again.
 
@@ -196,6 +232,8 @@ RESPONSE_TOO_LARGE_TYPE = "ResponseTooLarge"
 #: Largest sampling result recorded in history (bytes of JSON); Temporal's
 #: payload limit is 2 MiB.
 MAX_RESULT_BYTES = 1_500_000
+#: Room one tool outcome takes in a result besides its capped text (bytes).
+OUTCOME_OVERHEAD_BYTES = 4096
 #: ApplicationError type of a transcript that would be invalid for a provider.
 CONVERSATION_INVALID_TYPE = "ConversationInvalid"
 
@@ -241,6 +279,8 @@ def _failure(info: activity.Info, requests: int, *, status: int | None = None,
 async def _sample(inp: SampleInput) -> SamplingResult:
     settings = load_settings()
     info = activity.info()
+    if inp.round_tools is not None:
+        round_tools.raise_if_lost(info)  # an earlier attempt started its calls: never again
     # Each attempt sends at most one request; earlier attempts sent theirs.
     sent = [info.attempt - 1]
     if is_scripted(inp.model):
@@ -288,17 +328,25 @@ async def _sample(inp: SampleInput) -> SamplingResult:
         sent[0] = info.attempt
 
     # Text and tool-argument deltas go to the task's workflow stream while
-    # the model generates (batched: each publish is a Signal; see deltas.py).
+    # the model generates (batched: each publish is a Signal; see deltas.py);
+    # unwatched, only a call that goes on for a while publishes.
     deltas = DeltaPublisher(
         round=inp.round, attempt=info.attempt,
         interval_s=settings.stream_deltas_s if inp.stream else 0.0,
         redactor=current_redactor(settings),
+        first_after_s=0.0 if inp.watched else UNWATCHED_FIRST_PUBLISH_S,
     )
     try:
         # The heartbeat details carry the request count: a timeout reports
         # only the last heartbeat's details, and provider_calls must still
         # count every request (DESIGN §5).
-        async with heartbeating(lambda: {"attempt": info.attempt, "requests": sent[0]}), deltas:
+        beats = [0]
+
+        def beat_details() -> dict:
+            beats[0] += 1
+            return {"attempt": info.attempt, "requests": sent[0]}
+
+        async with heartbeating(beat_details), deltas:
             call = adapter.sample(
                 client,
                 base_url=base_url,
@@ -322,7 +370,10 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             else:
                 # A registered unit: a pushed cancel drops the request here
                 # at once (DESIGN §3); httpx closes the connection.
-                result = await calls.run(inp.task_id, sampling_key(inp.round), call)
+                result = await calls.run(
+                    inp.task_id, sampling_key(inp.round), call,
+                    pass_on_late_cancel=inp.round_tools is not None,  # to the round's calls
+                )
     except asyncio.CancelledError:
         if activity.is_cancelled():
             raise  # Temporal's cancel (or a worker shutdown): the SDK reports it
@@ -369,4 +420,18 @@ async def _sample(inp: SampleInput) -> SamplingResult:
         "sampled", provider=result.provider, model=result.model, stop_reason=result.stop_reason,
         tool_calls=len(result.tool_calls), attempt=info.attempt,
     )
+    if inp.round_tools is not None:
+        calls = round_tool_calls(result, set(inp.round_tools.elsewhere))
+        if size + len(calls) * (inp.round_tools.output_cap_bytes + OUTCOME_OVERHEAD_BYTES) > MAX_RESULT_BYTES:
+            calls = []  # their outcomes might not fit this payload: each runs as its own activity
+        if calls and not _room_for_calls(info, inp.round_tools.timeout_s):
+            calls = []  # they could outlast this activity's own bounds: their own activities
+        if any(_holds_secret(c, current_redactor(settings)) for c in calls):
+            # The workflow sees this call with the key masked and runs none
+            # of it (policies.untriaged_calls); here the key is still in it.
+            calls = []
+        if calls:
+            result.tool_outcomes = await round_tools.run_round_tools(
+                inp, result, calls, {"attempt": info.attempt, "requests": sent[0]}, beaten=beats[0] > 0,
+            )
     return result

@@ -36,6 +36,7 @@ LEDGER_FLUSH_ACTIVITY = "stopline.ledger_flush"
 TASK_MESSAGE_ACTIVITY = "stopline.task_message"
 HOST_SESSION_ACTIVITY = "stopline.host_session"
 LIST_HOSTS_ACTIVITY = "stopline.list_hosts"
+ROUND_RECORD_ACTIVITY = "stopline.round_record"
 #: Signal a host session sends its task when it has claimed the host.
 HOST_CLAIMED_SIGNAL = "stopline_host_claimed"
 #: The file in a workspace whose content names it across hosts (DESIGN §7).
@@ -46,6 +47,10 @@ CANCEL_CALLS_ACTIVITY = "stopline.cancel_calls"
 #: ``ApplicationError.type`` of a sampling call a pushed cancel dropped
 #: (non-retryable; the request was sent, so it counts as a provider call).
 SAMPLING_DROPPED_ERROR = "SamplingDropped"
+#: ``ApplicationError.type`` of a round whose tool calls started in the
+#: sampling activity (:class:`RoundTools`) and whose worker was lost before
+#: it reported them (non-retryable: they are never run again, DESIGN §5).
+ROUND_TOOLS_LOST_ERROR = "RoundToolsLost"
 #: The workflow-streams topic that carries :class:`TaskEvent`.
 EVENTS_TOPIC = "events"
 
@@ -248,6 +253,11 @@ class SamplingResult(_Model):
         usage: Token counts.
         attempt: Which attempt of the sampling activity produced this (the
             earlier ones reached the provider too: ``provider_calls``).
+        tool_outcomes: Set when the activity ran the response's tool calls
+            itself (:class:`RoundTools`): each call's outcome by call id,
+            exactly as the ``stopline.tool`` activity would have returned it
+            (an aborted call's is ``aborted=True, terminal=False``). ``None``:
+            no call ran here; the workflow runs them.
     """
 
     provider: str
@@ -259,6 +269,7 @@ class SamplingResult(_Model):
     refusal: Refusal | None = None
     usage: Usage = Field(default_factory=Usage)
     attempt: int = 1
+    tool_outcomes: dict[str, ToolOutcome] | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -312,6 +323,7 @@ class Fatal(_Model):
 
 
 ToolOutcome = Annotated[RespondToModel | Fatal, Field(discriminator="kind")]
+SamplingResult.model_rebuild()
 
 
 class ToolCallInput(_Model):
@@ -346,6 +358,83 @@ class ToolCallInput(_Model):
     network: bool = False
     allow_unconfined: bool = False
     env: dict[str, str] = Field(default_factory=dict)
+
+
+class RoundTools(_Model):
+    """How the sampling activity runs the round's tool calls itself (DESIGN §1, §3).
+
+    Sent with :class:`SampleInput` so a round whose calls all run on the
+    task's host costs one activity, not two: the activity samples, and when
+    :func:`stopline.core.policies.round_tool_calls` allows it, records the
+    response in a heartbeat (so a lost worker never hides a call that may
+    have run) and runs the calls as the ``stopline.tool`` activity would.
+
+    Attributes:
+        workspace: Absolute path of the task's workspace.
+        timeout_s: Per-call timeout in seconds (foreground processes).
+        kill_grace_s: Seconds between SIGTERM and SIGKILL on a cancel.
+        output_cap_bytes: Inline cap of a result's text.
+        network: Commands may use the host's network.
+        allow_unconfined: Run unconfined where the sandbox cannot run.
+        env: Environment variables the task passes to its tool processes.
+        elsewhere: Names of tools that do not run on the host (the task's own
+            activity tools); a response calling one runs no call here.
+    """
+
+    workspace: str
+    timeout_s: float = 120.0
+    kill_grace_s: float = 0.1
+    output_cap_bytes: int = 16_384
+    network: bool = False
+    allow_unconfined: bool = False
+    env: dict[str, str] = Field(default_factory=dict)
+    elsewhere: list[str] = Field(default_factory=list)
+
+    def call_input(self, task_id: str, call: ToolCall, round_: int) -> ToolCallInput:
+        """The ``stopline.tool`` input of one of the round's calls."""
+        return ToolCallInput(
+            task_id=task_id, call=call, round=round_,
+            **self.model_dump(exclude={"elsewhere"}),
+        )
+
+
+class RoundRecordInput(_Model):
+    """Input of ``stopline.round_record``: which task's in-flight round to read.
+
+    Attributes:
+        workflow_id: The task.
+        run_id: Its run.
+    """
+
+    workflow_id: str
+    run_id: str
+
+
+class RoundRecord(_Model):
+    """What Temporal holds of a task's running sampling activity (DESIGN §1, §7).
+
+    Attributes:
+        pending: A sampling activity is pending.
+        started: An attempt of it is running (or was, when its cancel was
+            requested); ``False``: it waits to be picked up (a retry for a
+            host that is gone).
+        attempt: Its attempt number.
+        response: The response an attempt recorded before running its
+            round's tool calls (its heartbeat), if any.
+        recorded_attempt: The attempt that recorded it.
+    """
+
+    pending: bool = False
+    started: bool = False
+    attempt: int = 0
+    response: SamplingResult | None = None
+    recorded_attempt: int = 0
+
+    @property
+    def calls_lost(self) -> bool:
+        """The attempt that ran the recorded calls is over (its worker was
+        lost: a retry waits for a worker, or runs)."""
+        return not self.started or self.attempt > self.recorded_attempt
 
 
 class CancelCallsInput(_Model):
@@ -483,6 +572,13 @@ class SampleInput(_Model):
             sends none (the provider's default).
         top_p: Nucleus sampling sent to the provider; ``None`` sends none.
         stream: Ask for SSE streaming.
+        watched: Someone followed the task's events as the round started
+            (a poll of its event stream was in flight): the text is
+            published as it forms (``stopline.activities.deltas``).
+            Unwatched, publishing starts only once the call has gone on for
+            a while — each publish is a Signal, a workflow task and a billed
+            Action, for nobody in a short call; the whole message is an
+            event when it arrives either way.
         thread_kind: ``task`` | ``chat`` | ``fix``. A *task* whose ledger
             already holds a ``provider-refusal-stop`` row is answered with that
             refusal and no provider call (a reset or re-drive never reaches
@@ -494,6 +590,8 @@ class SampleInput(_Model):
             with that refusal, whatever this host's disk holds (DESIGN §4, §7).
         extra_tools: The task's own activity tools (``ThreadInput.tools``),
             offered besides the ``toolset``.
+        round_tools: Set when the activity may run the response's tool calls
+            itself (:class:`RoundTools`); ``None``: it only samples.
     """
 
     task_id: str
@@ -512,6 +610,8 @@ class SampleInput(_Model):
     extra_tools: list[ToolSpec] = Field(default_factory=list)
     temperature: float | None = None
     top_p: float | None = None
+    round_tools: RoundTools | None = None
+    watched: bool = True
 
 
 # ---------------------------------------------------------------------------
@@ -691,6 +791,11 @@ class TaskLimits(_Model):
         tool_env: Environment variables passed to every tool process. Their
             values are task input: they enter workflow history (encrypted with
             the payload codec when it is on), so pass no secret here.
+        round_tools: A response whose tool calls all run on the host has
+            them run by its sampling activity — one activity per round
+            instead of one plus one per call (DESIGN §1). ``False``: every
+            call is its own ``stopline.tool`` activity (each shown apart in
+            Temporal's UI, at the cost of a trip through matching per call).
     """
 
     max_rounds: int = 50
@@ -706,6 +811,7 @@ class TaskLimits(_Model):
     placement_timeout_s: float = 3600.0
     tool_network: bool = False
     allow_unconfined: bool = False
+    round_tools: bool = True
     tool_env: dict[str, str] = Field(default_factory=dict)
     sampling_total_timeout_s: float = Field(default=900.0, gt=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from stopline.core.contracts import (
     LedgerRow,
@@ -29,6 +30,7 @@ from stopline.core.contracts import (
     ToolUsePart,
 )
 from stopline.core.errors import StoplineError
+from stopline.core.task_tools import TASK_TOOL_NAMES
 
 
 class ConversationInvalid(StoplineError, ValueError):
@@ -226,6 +228,57 @@ def response_shape_problem(result: SamplingResult) -> str | None:
         return f"tool call ids repeat within one response: {dupes}"
     if any(not c.id for c in result.tool_calls):
         return "a tool call has an empty id"
+    return None
+
+
+def round_tool_calls(result: SamplingResult, elsewhere: frozenset[str] | set[str]) -> list[ToolCall]:
+    """The tool calls the sampling activity may run itself, in one round (DESIGN §1).
+
+    All or none: a response runs its calls in the sampling activity only
+    when the workflow would run every one of them on the task's host, at
+    once and unchanged — no refusal, a well-formed response
+    (:func:`response_shape_problem`), no call held back
+    (:func:`untriaged_calls`), and no call of a tool that runs elsewhere (a
+    sub-task tool runs in the workflow; the task's own activity tools on
+    their queue). Anything else is the workflow's to decide, as before.
+
+    Args:
+        result: The sampling result.
+        elsewhere: Names of the task's tools that do not run on the host
+            (its own activity tools); sub-task tools are added here.
+
+    Returns:
+        The calls to run, in the response's order; empty: run none here.
+    """
+    if result.refusal is not None or not result.tool_calls:
+        return []
+    if response_shape_problem(result) is not None or untriaged_calls(result):
+        return []
+    if any(c.name in TASK_TOOL_NAMES or c.name in elsewhere for c in result.tool_calls):
+        return []
+    return list(result.tool_calls)
+
+
+#: Key of the recorded response in the sampling activity's heartbeat details.
+ROUND_TOOLS_DETAILS_KEY = "round_tools"
+
+
+def recorded_response(heartbeat_details: Any) -> dict[str, Any] | None:
+    """The response an earlier attempt recorded before running its calls.
+
+    Args:
+        heartbeat_details: ``activity.info().heartbeat_details`` (a sequence;
+            the first item is the sampling activity's details dict).
+
+    Returns:
+        The recorded details (``{"attempt", "requests", "round_tools": {...}}``)
+        or ``None`` when no attempt reached its calls.
+    """
+    if not heartbeat_details:
+        return None
+    first = heartbeat_details[0]
+    if isinstance(first, dict) and isinstance(first.get(ROUND_TOOLS_DETAILS_KEY), dict):
+        return first
     return None
 
 

@@ -16,7 +16,7 @@ What it brings:
   (OpenTelemetry tracing when ``STOPLINE_OTEL`` is on);
 - to a worker on a workflow task queue: the ``AgentTask`` and ``ChatThread``
   workflows, the activities any host may run (``task_message``,
-  ``list_hosts``), a sandbox that passes stopline's pure core through, the
+  ``list_hosts``, ``round_record``), a sandbox that passes stopline's pure core through, the
   worker settings stopline's semantics need (heartbeat throttling, the
   graceful-shutdown grace, a short sticky-queue timeout) and, with
   ``host=True``, an identity naming this host;
@@ -65,7 +65,7 @@ class StoplinePlugin(SimplePlugin):
     """
 
     def __init__(self, settings: Settings | None = None, *, host: bool = True) -> None:
-        from stopline.activities.host import list_hosts
+        from stopline.activities.host import list_hosts, round_record
         from stopline.activities.tasks import task_message
         from stopline.worker.codec import data_converter
         from stopline.worker.telemetry import tracing_interceptors
@@ -80,7 +80,7 @@ class StoplinePlugin(SimplePlugin):
             data_converter=data_converter(self.settings),
             interceptors=tracing_interceptors(self.settings),
             workflows=[AgentTask, ChatThread],
-            activities=[task_message, list_hosts],
+            activities=[task_message, list_hosts, round_record],
             workflow_runner=_sandbox,
         )
 

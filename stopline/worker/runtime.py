@@ -250,7 +250,7 @@ def build_workers(
 
     The workflow-queue worker (``settings.task_queue``, shared by every host)
     runs the workflows and the activities any host may run (``task_message``,
-    ``list_hosts``); everything comes from
+    ``list_hosts``, ``round_record``); everything comes from
     :class:`~stopline.worker.plugin.StoplinePlugin`, the same plugin a
     team adds to its own worker. Every worker reports an identity naming the
     host id: ``stopline hosts`` and a task looking for a new host find live

@@ -47,16 +47,21 @@ from stopline.workflows._state import (
     PUSH_CANCEL_RETRY,
     PUSH_CANCEL_TIMEOUT,
     RELEASE_POLLS_PATCH,
+    ROUND_TOOLS_PATCH,
     SAMPLING_RETRY,
     STREAM_ITEMS_CARRIED,
     TOOL_RETRY,
     Child,
     Counters,
     End,
+    Resolved,
     RunningCall,
+    Unanswered,
     activity_failure_reason,
     is_dropped_sampling,
     is_lost,
+    lost_round_error,
+    recorded_round,
     sampling_failure_reason,
     sampling_requests,
     settled_outcome,
@@ -80,7 +85,11 @@ with workflow.unsafe.imports_passed_through():
         InterruptResult,
         LedgerRow,
         ModelCandidate,
+        ROUND_RECORD_ACTIVITY,
         RespondToModel,
+        RoundRecord,
+        RoundRecordInput,
+        RoundTools,
         SampleInput,
         SamplingResult,
         TaskEvent,
@@ -150,6 +159,8 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         self._notified = carry.notified if carry else False
         self._staged: dict[int, str] = {}  # seq -> staging key (DESIGN §5)
         self._inflight_sampling: Any = None
+        self._sampling_runs_tools = False  # the in-flight sampling may run its round's calls
+        self._sampling_started_at = workflow.now()
         self._inflight_calls: list[RunningCall] = []
         self._init_placement(carry)
 
@@ -175,6 +186,22 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             await workflow.wait_condition(
                 lambda: self._interrupt_pending or sampling.done() or self._host_gone_now()
             )
+            host_gone = False
+            if not self._interrupt_pending and not sampling.done() and self._sampling_runs_tools:
+                # Its host is gone, and the call may have started the round's
+                # tool calls: they get their receipts before the thread moves.
+                host_gone = True
+                settled = await self._settle_unanswered_round(sampling)
+                if settled is not None:
+                    recorded = settled[0]
+                    self._inflight_sampling = None
+                    self._accept_increments()
+                    self._append_response(recorded, staged=False)
+                    label = self._host_label()
+                    for call in recorded.tool_calls:
+                        self._append_tool_result(call, RespondToModel(
+                            text=policies.host_lost_receipt(call, label), ok=False))
+                    raise HostLost(self._why_host_gone())
             self._inflight_sampling = None
             if self._interrupt_pending:
                 await self._abort_turn(sampling, [])
@@ -188,6 +215,18 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             try:
                 result: SamplingResult = sampling.result()
             except ActivityError as err:
+                ran = self._record_lost_round(err)
+                if ran:
+                    # the round's calls were lost with their worker: each has
+                    # its receipt; the model goes on (or the thread moves)
+                    end = await self._run_tools(ran[0], preset=ran[1])
+                    if isinstance(end, End):
+                        return end
+                    if host_gone or self._lost_host_of(err) or self._host_gone_now():
+                        raise HostLost(self._why_host_gone()) from None
+                    continue
+                if host_gone:
+                    raise HostLost(self._why_host_gone()) from None
                 if self._lost_host_of(err):
                     raise HostLost("a model call on it was never picked up") from None
                 self._count_failed_attempts(err)
@@ -209,15 +248,19 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 # an engine error: nothing of this response is stored or run
                 return End("failed", f"{result.provider} response: {problem}")
             self._accept_increments()
-            text = result.text if result.text.strip() else ""  # never store an empty message
-            if text or result.tool_calls:
-                row = self._append("assistant", text=text, tool_calls=list(result.tool_calls))
-                if text == result.text:  # exactly what the sampling activity staged
-                    self._staged[row.seq] = f"round-{self._n.rounds}"
-                if text:
-                    self._n.final_text = text
-                    self._turn_text = text
-                    self._publish("assistant_text", text=text)
+            self._append_response(result)
+            if result.tool_outcomes is not None:
+                # the sampling activity ran the round's calls (DESIGN §1)
+                end = await self._run_tools(list(result.tool_calls), preset={
+                    c.id: Resolved(value=result.tool_outcomes[c.id]) for c in result.tool_calls
+                })
+                if end is ABORTED:
+                    return None
+                if isinstance(end, End):
+                    return end
+                if host_gone:
+                    raise HostLost(self._why_host_gone())
+                continue
             if not result.tool_calls:
                 if self._inbox:
                     continue  # a message arrived during the turn: answer it
@@ -246,6 +289,102 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
 
     async def _at_round_boundary(self) -> None:
         """Hook between rounds (AgentTask continues-as-new here)."""
+
+    def _append_response(self, result: SamplingResult, *, staged: bool = True) -> None:
+        """Append the model's message of a round (never an empty one).
+
+        Args:
+            result: The response.
+            staged: The sampling activity staged it on the host (the row then
+                travels by reference, DESIGN §5); ``False`` for a response
+                recovered from a lost call's heartbeat.
+        """
+        text = result.text if result.text.strip() else ""
+        if not (text or result.tool_calls):
+            return
+        row = self._append("assistant", text=text, tool_calls=list(result.tool_calls))
+        if staged and text == result.text:  # exactly what the sampling activity staged
+            self._staged[row.seq] = f"round-{self._n.rounds}"
+        if text:
+            self._n.final_text = text
+            self._turn_text = text
+            self._publish("assistant_text", text=text)
+
+    async def _settle_unanswered_round(self, sampling: Any) -> tuple[SamplingResult, bool] | None:
+        """A sampling activity that runs its round's tool calls has not
+        answered, and the thread will not wait for it (its host is gone; an
+        abort's push did not reach it in the grace): cancel it without
+        losing a call.
+
+        Temporal alone still holds what it recorded — the response, in its
+        last heartbeat, before any call started (DESIGN §1) — and a cancel
+        closes a retry that waits for a gone host at once, details and all.
+        So ``stopline.round_record`` (on the workflow queue: any worker
+        answers) reads it first; then the cancel is requested. From then on
+        the activity cannot start a call (its recording heartbeat is answered
+        "cancelled"), so an attempt that had recorded nothing yet is read once
+        more, for a response recorded in between. When a read fails, or the
+        activity closed meanwhile, its own answer is awaited (bounded by its
+        timeouts) and decides.
+
+        Returns:
+            ``(response, lost)`` — the recorded response whose calls may
+            have run, and whether the attempt that ran them is over (its
+            worker lost; a retry waits) rather than possibly still running —
+            or ``None``: nothing of the round ran, or ``sampling`` has the
+            answer.
+        """
+        record = await self._read_round_record()
+        if sampling.done():
+            return None  # it answered meanwhile: its answer says it all
+        sampling.cancel()
+        if record is not None and record.pending and record.started and record.response is None:
+            record = await self._read_round_record()
+            if sampling.done():
+                return None
+        if record is None or not record.pending:
+            await workflow.wait_condition(sampling.done)  # its answer decides
+            return None
+        if record.response is None:
+            return None  # no call of the round started
+        return record.response, record.calls_lost
+
+    async def _read_round_record(self) -> RoundRecord | None:
+        """``stopline.round_record`` of this run; ``None`` when it failed."""
+        info = workflow.info()
+        try:
+            return await workflow.execute_activity(
+                ROUND_RECORD_ACTIVITY,
+                RoundRecordInput(workflow_id=info.workflow_id, run_id=info.run_id),
+                result_type=RoundRecord,
+                task_queue=info.task_queue,
+                start_to_close_timeout=timedelta(seconds=10),
+                schedule_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(maximum_attempts=3),
+                summary="read the round in flight",
+            )
+        except ActivityError:
+            return None
+
+    def _record_lost_round(self, err: ActivityError) -> tuple[list[ToolCall], dict[str, Resolved]] | None:
+        """A sampling call lost after it started its round's tool calls:
+        append the response it recorded; each call then stands for a lost
+        ``stopline.tool`` activity (a receipt, never a re-run — DESIGN §5).
+
+        Returns:
+            The round's calls and their stand-in handles, or ``None`` when
+            the call recorded no round (nothing of it ran).
+        """
+        if not self._sampling_runs_tools:
+            return None
+        found = recorded_round(err)
+        if found is None:
+            return None
+        self._count_failed_attempts(err)
+        self._flushed_seq = max(self._flushed_seq, self._sampled_upto)
+        self._accept_increments()
+        self._append_response(found, staged=False)
+        return list(found.tool_calls), {c.id: Resolved(error=err) for c in found.tool_calls}
 
     async def _turn(self) -> End | None:
         """Run a turn; when its host is lost, move (DESIGN §7) and go on.
@@ -278,11 +417,32 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 )
         return await self._recover_host(self._why_host_gone())
 
+    def _round_tools(self) -> RoundTools | None:
+        """What the sampling activity needs to run the round's tool calls
+        itself (DESIGN §1), or ``None`` when every call stays its own
+        activity (``TaskLimits.round_tools`` off, or a history from before)."""
+        limits: TaskLimits = self._inp.limits
+        if not limits.round_tools or not workflow.patched(ROUND_TOOLS_PATCH):
+            return None
+        return RoundTools(
+            workspace=self._inp.workspace,
+            timeout_s=limits.tool_timeout_s,
+            kill_grace_s=limits.interrupt_grace_s,
+            output_cap_bytes=limits.tool_output_cap_bytes,
+            network=limits.tool_network,
+            allow_unconfined=limits.allow_unconfined,
+            env=limits.tool_env,
+            elsewhere=[t.name for t in self._inp.tools],
+        )
+
     def _start_sampling(self) -> Any:
         pending = self._pending_rows()
         self._sampled_upto = self._next_seq - 1
         limits: TaskLimits = self._inp.limits
         cand = self._candidates[self._candidate]
+        round_tools = self._round_tools()
+        self._sampling_runs_tools = round_tools is not None
+        self._sampling_started_at = workflow.now()
         return workflow.start_activity(
             SAMPLE_ACTIVITY,
             SampleInput(
@@ -301,6 +461,9 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 extra_tools=[t.spec() for t in self._inp.tools],
                 temperature=limits.temperature,
                 top_p=limits.top_p,
+                round_tools=round_tools,
+                # an attached watcher has a poll in flight (a handler)
+                watched=not workflow.all_handlers_finished(),
             ),
             result_type=SamplingResult,
             task_queue=self._host_queue(),
@@ -315,11 +478,19 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
 
     # --------------------------------------------------------------- tools
 
-    async def _run_tools(self, calls: list[ToolCall]) -> End | object | None:
+    async def _run_tools(
+        self, calls: list[ToolCall], preset: dict[str, Resolved] | None = None
+    ) -> End | object | None:
         """Run a turn's tool calls concurrently; append each result as it arrives.
 
         A child ending early (one call timing out or failing) never cancels
         its siblings or the turn: each result is just data (seed 002).
+
+        Args:
+            calls: The calls, in the response's order.
+            preset: Calls the sampling activity already ran (DESIGN §1): their
+                outcomes (or the loss of their worker), by call id; they
+                settle like finished tool activities.
 
         Returns:
             ``End`` for a ``Fatal`` outcome, :data:`ABORTED` when a user
@@ -328,8 +499,10 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         running: list[RunningCall] = []
         own = {t.name: t for t in self._inp.tools}
         for call in calls:
-            if call.name in TASK_TOOL_NAMES:
-                handle: Any = asyncio.create_task(self._run_task_tool(call))
+            if preset is not None and call.id in preset:
+                handle: Any = preset[call.id]
+            elif call.name in TASK_TOOL_NAMES:
+                handle = asyncio.create_task(self._run_task_tool(call))
             elif call.name in own:
                 handle = asyncio.create_task(self._run_activity_tool(call, own[call.name]))
             else:
@@ -515,10 +688,13 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         """
         # 1. signal
         handles = ([sampling] if sampling else []) + [r.handle for r in running]
+        round_tools = sampling is not None and self._sampling_runs_tools
         if workflow.patched(PUSH_CANCEL_PATCH):
             self._push_cancel(sampling, running)
         for h in handles:
-            if not h.done():
+            if not h.done() and not (round_tools and h is sampling):
+                # (a sampling activity running its round's calls is cancelled
+                # by Temporal only once its record is read, below)
                 h.cancel()
         # 2. grace
         if any(not h.done() for h in handles):
@@ -529,15 +705,47 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 )
             except asyncio.TimeoutError:
                 pass
+        settled: tuple[SamplingResult, bool] | None = None
+        if round_tools and not sampling.done():
+            # It may be running its round's tool calls, which only it names:
+            # the push did not reach it within the grace (no worker serves
+            # the push, or its worker is gone) — learn them from Temporal.
+            settled = await self._settle_unanswered_round(sampling)
         # 3. irreversible: decide from what has arrived, ignore the rest.
+        now = workflow.now()
+        if settled is not None:
+            response, lost = settled
+            self._accept_increments()
+            self._append_response(response, staged=False)
+            # calls of a worker that is gone are lost; others did not answer
+            # in the grace: aborted, their groups killed by the flush below
+            gone = lost_round_error("its worker was lost before the interrupt reached it")
+            running = running + [
+                RunningCall(c, Resolved(error=gone) if lost else Unanswered(), self._sampling_started_at)
+                for c in response.tool_calls
+            ]
         if sampling is not None and sampling.done() and not sampling.cancelled():
             err = sampling.exception()
             if err is None:
-                self._n.provider_calls += sampling.result().attempt
+                res: SamplingResult = sampling.result()
+                self._n.provider_calls += res.attempt
                 self._flushed_seq = max(self._flushed_seq, self._sampled_upto)
+                if res.tool_outcomes is not None:
+                    # its calls ran (DESIGN §1): the response and each call's
+                    # one result are recorded before the marker
+                    self._accept_increments()
+                    self._append_response(res)
+                    running = running + [
+                        RunningCall(c, Resolved(value=o), now - timedelta(seconds=getattr(o, "elapsed_s", 0.0)))
+                        for c in res.tool_calls
+                        for o in [res.tool_outcomes[c.id]]
+                    ]
             elif is_dropped_sampling(err):
                 self._count_failed_attempts(err)  # the request was sent: it counts
-        now = workflow.now()
+            elif round_tools:
+                ran = self._record_lost_round(err)
+                if ran:
+                    running = running + [RunningCall(c, ran[1][c.id], now) for c in ran[0]]
         kill: list[str] = []
         kept: list[str] = list(finished or [])
         aborted: list[str] = []

@@ -16,12 +16,15 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 
 with workflow.unsafe.imports_passed_through():
     from stopline.core.contracts import (
+        SAMPLE_ACTIVITY,
         SAMPLING_DROPPED_ERROR,
         ChildInfo,
         Fatal,
         RespondToModel,
+        SamplingResult,
         ToolCall,
     )
+    from stopline.core.policies import ROUND_TOOLS_DETAILS_KEY
 
 #: Sampling retries: transient provider errors (429/5xx/overloaded/network).
 SAMPLING_RETRY = RetryPolicy(
@@ -50,6 +53,9 @@ ABORT_ONCE_PATCH = "stopline-abort-once"
 #: it, a poll for an offset the run never reached (a reset re-applies a
 #: watcher's polls from the longer branch) kept the run open for ever.
 RELEASE_POLLS_PATCH = "stopline-release-polls-at-end"
+#: ``workflow.patched`` id of "the sampling activity runs a round's host
+#: tool calls" (DESIGN §1): before it, every tool call was its own activity.
+ROUND_TOOLS_PATCH = "stopline-round-tools"
 
 #: Events kept in the workflow stream across continue-as-new.
 STREAM_ITEMS_CARRIED = 200
@@ -123,6 +129,74 @@ def is_lost(handle: Any) -> bool:
     if not handle.done() or handle.cancelled():
         return False
     return isinstance(handle.exception(), ActivityError)
+
+
+class Resolved:
+    """A settled stand-in for an activity handle: a tool call the sampling
+    activity ran itself (DESIGN §1), so the turn's settle and abort paths
+    treat it as a finished ``stopline.tool`` activity.
+
+    Args:
+        value: The call's outcome, when it has one.
+        error: The failure it stands for (the round's worker was lost).
+    """
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Unanswered(Resolved):
+    """A stand-in for a call that did not answer: its activity handle, had it
+    been one, would still be running (its result is never waited for)."""
+
+    def done(self) -> bool:
+        return False
+
+
+def lost_round_error(why: str) -> ActivityError:
+    """The failure a tool call stands for when the sampling activity that ran
+    it was lost without answering (its record was read from Temporal): it
+    reads like a lost ``stopline.tool`` activity (:func:`is_lost`)."""
+    err = ActivityError(
+        "round tool calls lost", scheduled_event_id=0, started_event_id=0, identity="",
+        activity_type=SAMPLE_ACTIVITY, activity_id="", retry_state=None,
+    )
+    err.__cause__ = ApplicationError(f"the sampling activity running them was lost: {why}")
+    return err
+
+
+def recorded_round(err: BaseException) -> SamplingResult | None:
+    """The response a lost sampling attempt recorded before running its
+    round's tool calls (``stopline.activities.round_tools``), if any.
+
+    Found in the failure's details (the next attempt's
+    ``ROUND_TOOLS_LOST_ERROR``) or, when Temporal ended the call with a
+    timeout, in its last heartbeat's details.
+    """
+    found = _details(err).get(ROUND_TOOLS_DETAILS_KEY) if isinstance(err, ActivityError) else None
+    if not isinstance(found, dict):
+        return None
+    try:
+        return SamplingResult.model_validate(found)
+    except Exception:  # not ours: no recorded round
+        return None
 
 
 def is_dropped_sampling(err: BaseException) -> bool:

@@ -189,6 +189,46 @@ async def subtask_refused(ctx: Ctx) -> WorkflowHandle[Any, Any]:
     return handle
 
 
+async def round_tools(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """Rounds whose calls the sampling activity ran (DESIGN §1): two calls in
+    one round, then one, then the answer."""
+    server = ctx.scripted(scenario(
+        "anthropic",
+        entry(anthropic_message("two at once", tool_calls=[
+            ("a", "shell", {"command": "echo one > one.txt"}), ("b", "list_dir", {}),
+        ])),
+        entry(anthropic_message(tool_calls=[("c", "read_file", {"path": "one.txt"})])),
+        entry(anthropic_message("one.txt says one; done")),
+    ))
+    handle = await ctx.start(server, "write one.txt, list, read it")
+    result = await handle.result()
+    assert result.status == "completed" and result.rounds == 3, result
+    return handle
+
+
+async def round_tools_interrupted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """A round whose calls its sampling activity runs, interrupted by push
+    (one call finished, one aborted), then a message, and the task completes."""
+    server = ctx.scripted(scenario(
+        "anthropic",
+        entry(anthropic_message(tool_calls=[
+            ("a", "shell", {"command": "echo quick"}),
+            ("b", "shell", {"command": "echo $$ > pid; sleep 100"}),
+        ])),
+        entry(anthropic_message("ok, stopped")),
+    ))
+    handle = await ctx.start(server, "run the quick and the slow command", interrupt_grace_s=0.1)
+    await _wait_for_file(ctx.workspace / "pid")
+    await asyncio.sleep(0.3)
+    res = await handle.execute_update("interrupt", result_type=InterruptResult)
+    assert res.interrupted and res.aborted_calls == ["b"] and res.kept_calls == ["a"], res
+    await _wait_state(handle, "waiting")
+    await handle.execute_update("message", "never mind, stop there")
+    result = await handle.result()
+    assert result.status == "completed", result
+    return handle
+
+
 #: Every scenario, by the name of the file it writes.
 SCENARIOS: dict[str, Callable[[Ctx], Awaitable[WorkflowHandle[Any, Any]]]] = {
     "completed": completed,
@@ -196,6 +236,8 @@ SCENARIOS: dict[str, Callable[[Ctx], Awaitable[WorkflowHandle[Any, Any]]]] = {
     "refused": refused,
     "continued_as_new": continued_as_new,
     "subtask_refused": subtask_refused,
+    "round_tools": round_tools,
+    "round_tools_interrupted": round_tools_interrupted,
 }
 
 

@@ -55,6 +55,34 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
         inp: The call.
 
     Returns:
+        The tool's outcome (see :func:`run_call`).
+    """
+    progress = CallProgress()
+    outcome: RespondToModel | Fatal | None = None
+    try:
+        async with heartbeating(details=lambda: {"terminal": progress.terminal}):
+            outcome = await run_call(inp, progress)
+    except asyncio.CancelledError:
+        if outcome is None:
+            raise
+        uncancel_current_task()  # the cancel came after the outcome: keep it
+    return outcome
+
+
+async def run_call(inp: ToolCallInput, progress: CallProgress | None = None) -> RespondToModel | Fatal:
+    """Run one tool call as a unit of this worker's registry; always return an outcome.
+
+    The body of ``stopline.tool``, also used by the sampling activity when
+    it runs a round's calls itself (:class:`stopline.core.contracts.RoundTools`).
+    The caller heartbeats. The text of a ``RespondToModel`` is staged for
+    its row (``call-<id>``): it enters history once, as this outcome
+    (DESIGN §5).
+
+    Args:
+        inp: The call.
+        progress: Where the call says whether it reached its terminal state.
+
+    Returns:
         The tool's outcome (see :func:`activities.tools.run_tool`). After a
         cancel: ``aborted=True, terminal=False`` unless the call had already
         reached its terminal state, whose real result is returned instead.
@@ -62,9 +90,8 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
     with structlog.contextvars.bound_contextvars(
         task_id=inp.task_id, round=inp.round, tool=inp.call.name, call_id=inp.call.id
     ):
-        outcome = await _run(inp)
+        outcome = await _run(inp, progress or CallProgress())
         if isinstance(outcome, RespondToModel):
-            # the row's text enters history once: here (DESIGN §5)
             from stopline.activities.ledger import default_store  # ledger imports tools: import late
 
             await finish_off_loop(
@@ -78,18 +105,16 @@ async def tool_activity(inp: ToolCallInput) -> RespondToModel | Fatal:
         return outcome
 
 
-async def _run(inp: ToolCallInput) -> RespondToModel | Fatal:
-    progress = CallProgress()
+async def _run(inp: ToolCallInput, progress: CallProgress) -> RespondToModel | Fatal:
     started = time.monotonic()
     outcome: RespondToModel | Fatal | None = None
     try:
-        async with heartbeating(details=lambda: {"terminal": progress.terminal}):
-            calls = current().calls
-            work = run_tool(inp, progress=progress)
-            if calls is None:
-                outcome = await work
-            else:
-                outcome = await calls.run(inp.task_id, call_key(inp.call.id), work)
+        calls = current().calls
+        work = run_tool(inp, progress=progress)
+        if calls is None:
+            outcome = await work
+        else:
+            outcome = await calls.run(inp.task_id, call_key(inp.call.id), work)
     except asyncio.CancelledError:
         uncancel_current_task()
         if outcome is None:
