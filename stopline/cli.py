@@ -1143,9 +1143,9 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
         client = await _client(settings)
         if not args.all_runs:
             rows = await rows_of(client, None, await held_rows(client))
-            for response in in_flight:
+            for response, round_ in in_flight:
                 rows.append(LedgerRow(
-                    seq=(rows[-1].seq if rows else 0) + 1, kind="assistant", text=response.text,
+                    seq=(rows[-1].seq if rows else 0) + 1, kind="assistant", round=round_, text=response.text,
                     tool_calls=list(response.tool_calls), meta={"in_flight": True},
                 ))
             _print_rows(rows, args.json)
@@ -1168,9 +1168,9 @@ def cmd_transcript(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _round_in_flight(client: Any, desc: Any) -> list[Any]:
-    """The response of a running sampling activity that is running its
-    round's tool calls (recorded in its heartbeat before they started,
-    ``stopline.activities.round_tools``); empty when there is none."""
+    """The response (and its round) of a running sampling activity that is
+    running its round's tool calls (recorded in its heartbeat before they
+    started, ``stopline.activities.round_tools``); empty when there is none."""
     from stopline.core.contracts import SAMPLE_ACTIVITY, SamplingResult
     from stopline.core.policies import recorded_response
 
@@ -1182,7 +1182,10 @@ async def _round_in_flight(client: Any, desc: Any) -> list[Any]:
             details = await client.data_converter.decode(pending.heartbeat_details.payloads)
             recorded = recorded_response(details)
             if recorded is not None:
-                found.append(SamplingResult.model_validate(recorded["round_tools"]))
+                found.append((
+                    SamplingResult.model_validate(recorded["round_tools"]),
+                    recorded.get("round") if isinstance(recorded.get("round"), int) else 0,
+                ))
         except Exception as err:  # undecodable (another codec key): say so, show the rest
             _raise_if_undecodable(err)
             raise

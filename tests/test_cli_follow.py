@@ -356,7 +356,7 @@ async def test_transcript_of_a_running_task_shows_the_message_whose_calls_run(
         (message,) = [r for r in rows if r["kind"] == "assistant"]
         assert message["text"] == "listing, then waiting"
         assert [c["id"] for c in message["tool_calls"]] == ["c1"]
-        assert message["meta"] == {"in_flight": True} and message is rows[-1]
+        assert message["meta"] == {"in_flight": True} and message is rows[-1] and message["round"] == 1
     finally:
         await client.get_workflow_handle(task_id).cancel(reason="test cleanup")
 

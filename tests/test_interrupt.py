@@ -389,13 +389,21 @@ async def test_interrupted_history_replays_deterministically(
 
 
 
+@pytest.mark.parametrize(("round_tools", "heartbeat_timeout_s", "bound_s"), [
+    (False, 60.0, 3.0),
+    # a call its round's sampling activity runs: only that activity names
+    # it, so the abort gives it one heartbeat interval (a third of the
+    # timeout) and a margin to answer Temporal's cancel
+    (True, 6.0, 6.0 / 3 + 2.0 + 1.0),
+], ids=["tool-activity", "round-tools"])
 async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace(
     client: Client, scripted: Any, workspace: Path, stopline_home: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, round_tools: bool, heartbeat_timeout_s: float, bound_s: float,
 ) -> None:
     """The irreversible step: a worker the cancel cannot reach in time (no
     push path, heartbeats throttled to 30 s) still gets the turn aborted —
-    the workflow stops waiting at the grace timer, the flush kills the group."""
+    the workflow stops waiting at its bound (the grace timer for a tool
+    activity), the flush kills the group."""
     from stopline.settings import load_settings
     from stopline.worker.runtime import build_workers
 
@@ -408,12 +416,13 @@ async def test_a_tool_that_never_answers_the_cancel_is_abandoned_after_the_grace
             "anthropic",
             entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})])),
         ))
-        handle = await start_task(client, queue, server, workspace, heartbeat_timeout_s=60)
+        handle = await start_task(client, queue, server, workspace, heartbeat_timeout_s=heartbeat_timeout_s,
+                                  round_tools=round_tools)
         pgid = int(await _wait_for(workspace / "pid"))
         await asyncio.sleep(0.3)
         res, took = await _interrupt(handle)
         assert res.interrupted and res.aborted_calls == ["c1"]
-        assert took < 3.0, took  # the grace timer (sub-second timers fire after ~1 s), not the tool
+        assert took < bound_s, took  # the bound (sub-second timers fire after ~1 s), not the tool
         assert group_alive(pgid) == []
         rows = _rows(stopline_home, handle.id)
         assert rows[-1].kind == "turn_aborted"

@@ -289,7 +289,10 @@ async def test_with_the_push_path_broken_the_temporal_cancel_still_aborts_cleanl
     queue = f"nopush-{uuid.uuid4().hex[:8]}"
     async with _workers(client, queue, push_cancel=False):
         if what == "tool":
-            first = entry(anthropic_message(tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})]))
+            first = entry(anthropic_message(tool_calls=[
+                ("q", "shell", {"command": "echo quick"}),
+                ("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"}),
+            ]))
         else:
             first = entry(anthropic_message("never stored"), delay_s=60)
         server = scripted(scenario("anthropic", first, entry(anthropic_message("ok, stopped"))))
@@ -304,7 +307,11 @@ async def test_with_the_push_path_broken_the_temporal_cancel_still_aborts_cleanl
         res = await handle.execute_update("interrupt", result_type=InterruptResult)
         assert res.interrupted
         if pgid is not None:
-            assert res.aborted_calls == ["c1"]
+            # the quick call had finished: its real result is kept, also when
+            # only its round's sampling activity could say so
+            assert res.aborted_calls == ["c1"] and res.kept_calls == ["q"], res
+            quick = next(r for r in _rows(stopline_home, handle.id) if r.call_id == "q")
+            assert "quick" in (quick.text or "") and not quick.meta.get("aborted"), quick
             assert group_alive(pgid) == []  # the flush's SIGKILL
         assert _rows(stopline_home, handle.id)[-1].kind == "turn_aborted"
 

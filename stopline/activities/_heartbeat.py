@@ -37,10 +37,11 @@ from typing import Any
 from temporalio import activity
 
 from stopline.activities.running import current
+from stopline.core.policies import HEARTBEAT_TIMEOUT_FRACTION
 
 #: A heartbeat goes out at least this often relative to the heartbeat timeout
 #: (a third of it: one delayed or lost beat does not time out a live call).
-TIMEOUT_FRACTION = 1 / 3
+TIMEOUT_FRACTION = HEARTBEAT_TIMEOUT_FRACTION
 
 
 def interval_for(configured_s: float, heartbeat_timeout_s: float | None) -> float:

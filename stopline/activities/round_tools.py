@@ -8,7 +8,10 @@ round of "sample, then run the tools" as two activities cost about twice a
 naive loop's server time (``bench/bench_throughput.py``). When every call of
 a response runs on the host anyway
 (:func:`stopline.core.policies.round_tool_calls`), the sampling activity
-runs them itself: one activity per round (DESIGN §1).
+runs them itself: one activity per round (DESIGN §1). The sampling activity
+also leaves a call to its own activity when its arguments hold a configured
+secret (the workflow sees the mask there and runs none of it) or when the
+calls might outlast the sampling bounds that remain.
 
 What keeps the stop semantics whole:
 
@@ -125,6 +128,7 @@ async def _record_and_run(
     assert settings is not None
     info = activity.info()
     beat[ROUND_TOOLS_DETAILS_KEY] = result.model_dump(mode="json", exclude={"tool_outcomes"})
+    beat["round"] = inp.round
     if beaten:
         activity.heartbeat(dict(beat))  # replaces a throttled beat without the response
     try:

@@ -259,6 +259,11 @@ def round_tool_calls(result: SamplingResult, elsewhere: frozenset[str] | set[str
     return list(result.tool_calls)
 
 
+#: An activity heartbeats at least every this fraction of its heartbeat
+#: timeout (one late beat does not time a live call out), so Temporal's
+#: cancel, which answers a heartbeat, reaches a live one within it.
+HEARTBEAT_TIMEOUT_FRACTION = 1 / 3
+
 #: Key of the recorded response in the sampling activity's heartbeat details.
 ROUND_TOOLS_DETAILS_KEY = "round_tools"
 

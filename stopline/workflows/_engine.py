@@ -47,6 +47,7 @@ from stopline.workflows._state import (
     PUSH_CANCEL_RETRY,
     PUSH_CANCEL_TIMEOUT,
     RELEASE_POLLS_PATCH,
+    CANCEL_ANSWER_MARGIN_S,
     ROUND_TOOLS_PATCH,
     SAMPLING_RETRY,
     STREAM_ITEMS_CARRIED,
@@ -310,7 +311,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             self._turn_text = text
             self._publish("assistant_text", text=text)
 
-    async def _settle_unanswered_round(self, sampling: Any) -> tuple[SamplingResult, bool] | None:
+    async def _settle_unanswered_round(self, sampling: Any, *, answer_s: float = 0.0) -> tuple[SamplingResult, bool] | None:
         """A sampling activity that runs its round's tool calls has not
         answered, and the thread will not wait for it (its host is gone; an
         abort's push did not reach it in the grace): cancel it without
@@ -326,6 +327,14 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         more, for a response recorded in between. When a read fails, or the
         activity closed meanwhile, its own answer is awaited (bounded by its
         timeouts) and decides.
+
+        Args:
+            sampling: The activity's handle.
+            answer_s: How long an attempt that recorded a response and may
+                still run (its worker alive, the push not served) is given to
+                answer Temporal's cancel with its calls' real outcomes — a call
+                that had finished keeps its result (DESIGN §3). ``0`` (the
+                host is gone): not at all.
 
         Returns:
             ``(response, lost)`` — the recorded response whose calls may
@@ -347,6 +356,12 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             return None
         if record.response is None:
             return None  # no call of the round started
+        if answer_s > 0 and not record.calls_lost:
+            try:
+                await workflow.wait_condition(sampling.done, timeout=timedelta(seconds=answer_s))
+                return None  # it answered: its outcomes decide
+            except asyncio.TimeoutError:
+                pass
         return record.response, record.calls_lost
 
     async def _read_round_record(self) -> RoundRecord | None:
@@ -710,7 +725,10 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             # It may be running its round's tool calls, which only it names:
             # the push did not reach it within the grace (no worker serves
             # the push, or its worker is gone) — learn them from Temporal.
-            settled = await self._settle_unanswered_round(sampling)
+            limits: TaskLimits = self._inp.limits
+            settled = await self._settle_unanswered_round(
+                sampling, answer_s=limits.heartbeat_timeout_s * policies.HEARTBEAT_TIMEOUT_FRACTION + CANCEL_ANSWER_MARGIN_S,
+            )
         # 3. irreversible: decide from what has arrived, ignore the rest.
         now = workflow.now()
         if settled is not None:

@@ -57,6 +57,10 @@ RELEASE_POLLS_PATCH = "stopline-release-polls-at-end"
 #: tool calls" (DESIGN §1): before it, every tool call was its own activity.
 ROUND_TOOLS_PATCH = "stopline-round-tools"
 
+#: Seconds beyond a heartbeat interval (``policies.HEARTBEAT_TIMEOUT_FRACTION``
+#: of the heartbeat timeout) for the cancelled activity's answer to arrive.
+CANCEL_ANSWER_MARGIN_S = 2.0
+
 #: Events kept in the workflow stream across continue-as-new.
 STREAM_ITEMS_CARRIED = 200
 
