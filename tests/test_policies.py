@@ -159,3 +159,11 @@ def test_recorded_response_reads_only_a_recorded_round() -> None:
     assert policies.recorded_response([{"attempt": 1, "requests": 1}]) is None
     assert policies.recorded_response([]) is None and policies.recorded_response(None) is None
     assert policies.recorded_response(["not a dict"]) is None
+
+
+def test_only_a_round_that_may_change_something_is_recorded_first() -> None:
+    """A lost worker must never hide a call that may have changed something
+    (DESIGN §5); a round of reads hides nothing and is spared the RPC."""
+    assert policies.round_needs_record(_calls("list_dir", "read_file", "shell_status")) is False
+    for writer in ("shell", "write_file", "apply_patch", "shell_kill"):
+        assert policies.round_needs_record(_calls("list_dir", writer)) is True

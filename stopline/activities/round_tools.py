@@ -17,7 +17,10 @@ What keeps the stop semantics whole:
 
 - Before any call starts, the response is recorded with Temporal: a
   heartbeat whose details carry it, sent directly and awaited (the SDK's own
-  heartbeats are throttled and may be lost with the worker). A worker lost
+  heartbeats are throttled and may be lost with the worker). A round whose
+  calls only read (:func:`stopline.core.policies.round_needs_record`) is not:
+  lost with its worker, it hides nothing, and its sampling is retried like
+  any lost model call. A worker lost
   after that point leaves its response in the activity's last heartbeat
   details; the next attempt does not sample again but fails with
   :data:`~stopline.core.contracts.ROUND_TOOLS_LOST_ERROR` carrying it, and
@@ -36,8 +39,8 @@ What keeps the stop semantics whole:
   marker (DESIGN §3). A cancel that reached the round before its calls
   started runs none of them.
 
-What it must never do: start a call before the response is recorded, or
-re-run a call on a retry.
+What it must never do: start a call that may change something before the
+response is recorded, or re-run a call of a recorded round on a retry.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from stopline.core.contracts import (
     SamplingResult,
     ToolCall,
 )
-from stopline.core.policies import ROUND_TOOLS_DETAILS_KEY, recorded_response
+from stopline.core.policies import ROUND_TOOLS_DETAILS_KEY, recorded_response, round_needs_record
 
 log = structlog.get_logger("stopline.round_tools")
 
@@ -132,7 +135,8 @@ async def _record_and_run(
     if beaten:
         activity.heartbeat(dict(beat))  # replaces a throttled beat without the response
     try:
-        await activity.client().get_async_activity_handle(task_token=info.task_token).heartbeat(dict(beat))
+        if round_needs_record(calls):
+            await activity.client().get_async_activity_handle(task_token=info.task_token).heartbeat(dict(beat))
     except asyncio.CancelledError:
         uncancel_current_task()
         return None  # cancelled before any call started: none runs

@@ -259,6 +259,28 @@ def round_tool_calls(result: SamplingResult, elsewhere: frozenset[str] | set[str
     return list(result.tool_calls)
 
 
+#: The host's tools that only read (a file, a directory, a background
+#: shell's state and log): a call of theirs leaves nothing behind.
+READ_ONLY_TOOLS = frozenset({"read_file", "list_dir", "shell_status"})
+
+
+def round_needs_record(calls: list[ToolCall]) -> bool:
+    """Whether a round's calls must be recorded with Temporal before they run
+    (DESIGN §1, §5): a call that may change something must never be hidden
+    by a lost worker. A round that only reads hides nothing when its worker
+    is lost — Temporal retries its sampling as it would any lost model call —
+    so it is spared that heartbeat RPC (a billed Action, and about a tenth of
+    a round's server time).
+
+    Args:
+        calls: The round's calls (:func:`round_tool_calls`).
+
+    Returns:
+        ``False`` only when every call is of a :data:`READ_ONLY_TOOLS` tool.
+    """
+    return any(c.name not in READ_ONLY_TOOLS for c in calls)
+
+
 #: An activity heartbeats at least every this fraction of its heartbeat
 #: timeout (one late beat does not time a live call out), so Temporal's
 #: cancel, which answers a heartbeat, reaches a live one within it.
