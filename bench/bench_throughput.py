@@ -33,9 +33,9 @@ scripted servers and this client run here):
 
 Levels run in order, after one uncounted warm-up task of each loop; at each
 level the loops run one after the other, ``--repeats`` times (default 3),
-the order reversed on every other repeat (a dev server that has served more
-is a little slower: no loop always goes first), and each figure is the
-median of its repeats. Goal: at 50 concurrent tasks stopline's rounds/s ≥
+the order rotated on every repeat (a dev server that has served more is a
+little slower: with 3 repeats each loop runs once first, once second and
+once last), and each figure is the median of its repeats. Goal: at 50 concurrent tasks stopline's rounds/s ≥
 1.0× the naive loop's. The load average is printed before and after, and
 with each run (2-core machine: figures taken above ~1.5 are skewed by
 other work).
@@ -190,7 +190,8 @@ async def main(args: argparse.Namespace) -> None:
                     runs: dict[str, list[Level]] = {name: [] for name in workers}
                     for rep in range(args.repeats):
                         order = list(workers.items())
-                        for name, (w, q, run) in order if rep % 2 == 0 else order[::-1]:
+                        shift = rep % len(order)  # each loop takes each place in turn
+                        for name, (w, q, run) in order[shift:] + order[:shift]:
                             lvl = await run_level(client, q, home, run, name, n, args.rounds, w, server_pid)
                             runs[name].append(lvl)
                             console.print(

@@ -144,14 +144,6 @@ class DeltaPublisher:
 
     async def __aenter__(self) -> DeltaPublisher:
         if self.interval_s > 0:
-            from temporalio.contrib.workflow_streams import WorkflowStreamClient
-
-            # Flushed by our own loop, not the client's flusher: the
-            # coalescing below needs the whole interval's pieces at once.
-            self._client = WorkflowStreamClient.from_within_activity(
-                batch_interval=timedelta(hours=1), max_retry_duration=timedelta(seconds=30),
-            )
-            self._topic = self._client.topic(EVENTS_TOPIC, type=TaskEvent)
             self._loop = asyncio.create_task(self._run())
         return self
 
@@ -201,6 +193,15 @@ class DeltaPublisher:
                     self._broken = True
 
     async def _publish(self) -> None:
+        if self._client is None:  # made at the first publish: most calls make none
+            from temporalio.contrib.workflow_streams import WorkflowStreamClient
+
+            # Flushed by our own loop, not the client's flusher: the
+            # coalescing below needs the whole interval's pieces at once.
+            self._client = WorkflowStreamClient.from_within_activity(
+                batch_interval=timedelta(hours=1), max_retry_duration=timedelta(seconds=30),
+            )
+            self._topic = self._client.topic(EVENTS_TOPIC, type=TaskEvent)
         events = coalesce(self._buffer, round=self.round, attempt=self.attempt)
         self._buffer = []
         for ev in events:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import structlog
 from temporalio import activity
 from temporalio.client import AsyncActivityCancelledError
 from temporalio.exceptions import ApplicationError
@@ -67,7 +66,6 @@ from stopline.core.contracts import (
 )
 from stopline.core.policies import ROUND_TOOLS_DETAILS_KEY, recorded_response, round_needs_record
 
-log = structlog.get_logger("stopline.round_tools")
 
 def raise_if_lost(info: activity.Info) -> None:
     """Fail an attempt that follows one which started its round's calls.
@@ -179,10 +177,7 @@ async def _record_and_run(
                 continue
             if guard.done():
                 hand_cancel(_guard_reason(guard))
-    outcomes = {i: t.result() for i, t in tasks.items()}
-    log.info("round_tools", calls=len(outcomes), aborted=sum(
-        1 for o in outcomes.values() if isinstance(o, RespondToModel) and o.aborted))
-    return outcomes
+    return {i: t.result() for i, t in tasks.items()}  # each call logged its own line
 
 
 def _guard_reason(guard: asyncio.Future[Any]) -> str:
