@@ -326,12 +326,10 @@ ToolOutcome = Annotated[RespondToModel | Fatal, Field(discriminator="kind")]
 SamplingResult.model_rebuild()
 
 
-class ToolCallInput(_Model):
-    """Input of the ``stopline.tool`` activity (one tool call).
+class ToolRunSettings(_Model):
+    """How a task's tool calls run on its host (the task's limits, per call).
 
     Attributes:
-        task_id: Owning task (workflow id).
-        call: The tool call to run (``arguments`` already parsed).
         workspace: Absolute path of the task's workspace; every path the tool
             touches must resolve inside it.
         timeout_s: Per-call timeout in seconds (foreground processes).
@@ -339,7 +337,6 @@ class ToolCallInput(_Model):
             cancelled or times out.
         output_cap_bytes: Inline cap for the text the model sees; more is
             kept head + tail and the whole output stored beside the ledger.
-        round: Sampling round the call belongs to (bound into log lines).
         network: The task lets commands use the host's network (the
             sandbox has none otherwise).
         allow_unconfined: Where the sandbox cannot run, run commands
@@ -348,19 +345,31 @@ class ToolCallInput(_Model):
             (besides ``PATH``, locale, ``TERM`` and ``HOME``).
     """
 
-    task_id: str
-    call: ToolCall
     workspace: str
     timeout_s: float = 120.0
     kill_grace_s: float = 0.1
     output_cap_bytes: int = 16_384
-    round: int = 0
     network: bool = False
     allow_unconfined: bool = False
     env: dict[str, str] = Field(default_factory=dict)
 
 
-class RoundTools(_Model):
+class ToolCallInput(ToolRunSettings):
+    """Input of the ``stopline.tool`` activity (one tool call): the
+    :class:`ToolRunSettings` and
+
+    Attributes:
+        task_id: Owning task (workflow id).
+        call: The tool call to run (``arguments`` already parsed).
+        round: Sampling round the call belongs to (bound into log lines).
+    """
+
+    task_id: str
+    call: ToolCall
+    round: int = 0
+
+
+class RoundTools(ToolRunSettings):
     """How the sampling activity runs the round's tool calls itself (DESIGN §1, §3).
 
     Sent with :class:`SampleInput` so a round whose calls all run on the
@@ -368,26 +377,13 @@ class RoundTools(_Model):
     :func:`stopline.core.policies.round_tool_calls` allows it, records the
     response in a heartbeat (so a lost worker never hides a call that may
     have run) and runs the calls as the ``stopline.tool`` activity would.
+    The :class:`ToolRunSettings` and
 
     Attributes:
-        workspace: Absolute path of the task's workspace.
-        timeout_s: Per-call timeout in seconds (foreground processes).
-        kill_grace_s: Seconds between SIGTERM and SIGKILL on a cancel.
-        output_cap_bytes: Inline cap of a result's text.
-        network: Commands may use the host's network.
-        allow_unconfined: Run unconfined where the sandbox cannot run.
-        env: Environment variables the task passes to its tool processes.
         elsewhere: Names of tools that do not run on the host (the task's own
             activity tools); a response calling one runs no call here.
     """
 
-    workspace: str
-    timeout_s: float = 120.0
-    kill_grace_s: float = 0.1
-    output_cap_bytes: int = 16_384
-    network: bool = False
-    allow_unconfined: bool = False
-    env: dict[str, str] = Field(default_factory=dict)
     elsewhere: list[str] = Field(default_factory=list)
 
     def call_input(self, task_id: str, call: ToolCall, round_: int) -> ToolCallInput:

@@ -111,15 +111,13 @@ async def completed(ctx: Ctx) -> WorkflowHandle[Any, Any]:
         )),
         entry(anthropic_message("the file says hello; done")),
     ))
-    handle = await ctx.start(server, "write hello to out.txt and show it")
+    handle = await ctx.start(server, "write hello to out.txt and show it", round_tools=False)
     result = await handle.result()
     assert result.status == "completed", result
     return handle
 
 
-async def interrupted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
-    """A turn interrupted mid-tool (one call finished, one aborted), then a
-    user message, and the task completes."""
+async def _quick_and_slow_interrupted(ctx: Ctx, **limits: Any) -> WorkflowHandle[Any, Any]:
     server = ctx.scripted(scenario(
         "anthropic",
         entry(anthropic_message(tool_calls=[
@@ -128,16 +126,22 @@ async def interrupted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
         ])),
         entry(anthropic_message("ok, stopped")),
     ))
-    handle = await ctx.start(server, "run the quick and the slow command", interrupt_grace_s=0.1)
+    handle = await ctx.start(server, "run the quick and the slow command", interrupt_grace_s=0.1, **limits)
     await _wait_for_file(ctx.workspace / "pid")
     await asyncio.sleep(0.3)  # let the quick call finish: it keeps its result
     res = await handle.execute_update("interrupt", result_type=InterruptResult)
-    assert res.interrupted and res.aborted_calls == ["b"], res
+    assert res.interrupted and res.aborted_calls == ["b"] and res.kept_calls == ["a"], res
     await _wait_state(handle, "waiting")
     await handle.execute_update("message", "never mind, stop there")
     result = await handle.result()
     assert result.status == "completed", result
     return handle
+
+
+async def interrupted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
+    """A turn interrupted mid-tool (one call finished, one aborted), then a
+    user message, and the task completes; each call its own activity."""
+    return await _quick_and_slow_interrupted(ctx, round_tools=False)
 
 
 async def refused(ctx: Ctx) -> WorkflowHandle[Any, Any]:
@@ -207,26 +211,9 @@ async def round_tools(ctx: Ctx) -> WorkflowHandle[Any, Any]:
 
 
 async def round_tools_interrupted(ctx: Ctx) -> WorkflowHandle[Any, Any]:
-    """A round whose calls its sampling activity runs, interrupted by push
-    (one call finished, one aborted), then a message, and the task completes."""
-    server = ctx.scripted(scenario(
-        "anthropic",
-        entry(anthropic_message(tool_calls=[
-            ("a", "shell", {"command": "echo quick"}),
-            ("b", "shell", {"command": "echo $$ > pid; sleep 100"}),
-        ])),
-        entry(anthropic_message("ok, stopped")),
-    ))
-    handle = await ctx.start(server, "run the quick and the slow command", interrupt_grace_s=0.1)
-    await _wait_for_file(ctx.workspace / "pid")
-    await asyncio.sleep(0.3)
-    res = await handle.execute_update("interrupt", result_type=InterruptResult)
-    assert res.interrupted and res.aborted_calls == ["b"] and res.kept_calls == ["a"], res
-    await _wait_state(handle, "waiting")
-    await handle.execute_update("message", "never mind, stop there")
-    result = await handle.result()
-    assert result.status == "completed", result
-    return handle
+    """The same interrupt, in a round whose calls its sampling activity runs
+    (aborted by push: one call finished, one aborted)."""
+    return await _quick_and_slow_interrupted(ctx)
 
 
 #: Every scenario, by the name of the file it writes.
