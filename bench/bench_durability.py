@@ -446,15 +446,22 @@ async def offload_run(client: Client, queue: str, home: Path, rounds: int, cap: 
     runs = await run_chain(client, handle)
     events = [e for run in runs for e in run]
     kinds: dict[int, str] = {}
-    tool_results, sample_inputs = [], []
+    tool_results, sample_inputs, samples_done = [], [], []
     for e in events:
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
             kinds[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name
             if kinds[e.event_id] == SAMPLE_ACTIVITY:
                 sample_inputs.append(e.ByteSize())
         elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-            if kinds.get(e.activity_task_completed_event_attributes.scheduled_event_id) == TOOL_ACTIVITY:
+            kind = kinds.get(e.activity_task_completed_event_attributes.scheduled_event_id)
+            if kind == TOOL_ACTIVITY:
                 tool_results.append(e.ByteSize())
+            elif kind == SAMPLE_ACTIVITY:
+                samples_done.append(e.ByteSize())
+    if not tool_results:
+        # the sampling activities ran the calls (DESIGN §1): their results
+        # carry the outputs (all but the last round's, which has no call)
+        tool_results = samples_done[:-1]
     round_events, round_bytes = per_round(events)
     rows = [r for r in ledger_rows(home, handle.id) if r.kind == "tool_result"]
     refs = [r.meta["output_ref"] for r in rows if r.meta.get("output_ref")]

@@ -316,6 +316,8 @@ async def test_a_host_killed_mid_tool_moves_the_task_to_a_host_with_the_workspac
     assert lost.model_visible and lost.meta["host_id"] == host_id_for(a.home)
     assert "host-b" in _texts(server.requests()[2]["body"])  # c2 ran on B
     assert [r.seq for r in rows] == list(range(1, len(rows) + 1))
+    # the request made on A counts (the call ran in its sampling activity there)
+    assert result.provider_calls == server.request_count() == 3, result
     print(f"\n[fleet] host killed mid-tool -> continued on B, task finished {took:.1f}s after the kill")
 
 

@@ -554,17 +554,19 @@ async def round_record(inp: RoundRecordInput) -> RoundRecord:
     for pending in desc.raw_description.pending_activities:
         if pending.activity_type.name != SAMPLE_ACTIVITY:
             continue
-        response, by = None, 0
+        response, by, requests = None, 0, 0
         if pending.heartbeat_details.payloads:
             recorded = recorded_response(await client.data_converter.decode(pending.heartbeat_details.payloads))
             if recorded is not None:
                 response = SamplingResult.model_validate(recorded[ROUND_TOOLS_DETAILS_KEY])
                 by = recorded.get("attempt") if isinstance(recorded.get("attempt"), int) else 0
+                requests = recorded.get("requests") if isinstance(recorded.get("requests"), int) else 0
         started = pending.state in (
             PendingActivityState.PENDING_ACTIVITY_STATE_STARTED,
             PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED,
         )
         return RoundRecord(
             pending=True, started=started, attempt=pending.attempt, response=response, recorded_attempt=by,
+            requests=requests,
         )
     return RoundRecord()

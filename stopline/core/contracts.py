@@ -418,6 +418,8 @@ class RoundRecord(_Model):
         response: The response an attempt recorded before running its
             round's tool calls (its heartbeat), if any.
         recorded_attempt: The attempt that recorded it.
+        requests: Provider requests the call had made when it recorded it
+            (``provider_calls`` counts them).
     """
 
     pending: bool = False
@@ -425,6 +427,7 @@ class RoundRecord(_Model):
     attempt: int = 0
     response: SamplingResult | None = None
     recorded_attempt: int = 0
+    requests: int = 0
 
     @property
     def calls_lost(self) -> bool:

@@ -199,6 +199,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                     self._accept_increments()
                     self._append_response(recorded, staged=False)
                     label = self._host_label()
+                    self._note_calls(recorded.tool_calls)
                     for call in recorded.tool_calls:
                         self._append_tool_result(call, RespondToModel(
                             text=policies.host_lost_receipt(call, label), ok=False))
@@ -362,7 +363,15 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 return None  # it answered: its outcomes decide
             except asyncio.TimeoutError:
                 pass
+        # its requests count (DESIGN §5); an answer that comes later is ignored
+        self._n.provider_calls += max(record.requests, 1)
         return record.response, record.calls_lost
+
+    def _note_calls(self, calls: list[ToolCall]) -> None:
+        """Remember a round's calls as the last ones made (a result's evidence)."""
+        if calls:
+            self._n.last_tool = calls[-1].name
+            self._n.last_tool_args = calls[-1].raw_arguments
 
     async def _read_round_record(self) -> RoundRecord | None:
         """``stopline.round_record`` of this run; ``None`` when it failed."""
@@ -735,6 +744,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             response, lost = settled
             self._accept_increments()
             self._append_response(response, staged=False)
+            self._note_calls(response.tool_calls)
             # calls of a worker that is gone are lost; others did not answer
             # in the grace: aborted, their groups killed by the flush below
             gone = lost_round_error("its worker was lost before the interrupt reached it")
