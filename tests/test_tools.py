@@ -648,6 +648,12 @@ async def test_close_unattended_shells(ws: Path, home: Path, reaper: Reaper) -> 
     done_id, done_pid, _ = await _start_background(ws, "true", "bg-c")
     reaper.pgids.extend([pid_a, pid_b])
     await wait_for(lambda: not alive(done_pid))
+    # finished as its shell sees it (its sandbox may outlive the command by a
+    # moment under load; a shell still ending would be closed, rightly)
+    deadline = time.monotonic() + 10
+    while "exited" not in (await run_ok(call(ws, "shell_status", {"shell_id": done_id}))).text:
+        assert time.monotonic() < deadline, "the finished shell never reported its exit"
+        await asyncio.sleep(0.05)
     closed = close_unattended_shells(TASK, grace_s=0.1)
     assert closed == sorted([running_a, running_b])
     assert not alive(pid_a) and not alive(pid_b)
