@@ -282,6 +282,14 @@ class LedgerStore:
             os.fsync(fh.fileno())
         _cache.pop(path, None)
 
+    def forget(self, task_id: str) -> None:
+        """Drop this process's parsed rows of a task's file (the task let go
+        of this host). Only a cache: a later read parses the file again. A
+        worker that kept every task it ever served paid for them in every
+        garbage collection — its CPU per round grew with the tasks it had
+        run (``bench/bench_throughput.py``, repeated levels)."""
+        _cache.pop(self.path(task_id), None)
+
     def forks(self, task_id: str) -> list[list[LedgerRow]]:
         """Rows of the branches resets abandoned, oldest first (for audit)."""
         forks = self.path(task_id).parent / "forks"
@@ -447,6 +455,8 @@ async def ledger_flush(inp: LedgerFlushInput) -> int:
         await asyncio.to_thread(close_unattended_shells, inp.task_id)
     store = default_store()
     await append_rows(store, inp.task_id, inp.rows)
+    last = store.last_seq(inp.task_id)
     if inp.release_session:
         release_session(inp.task_id)
-    return store.last_seq(inp.task_id)
+        store.forget(inp.task_id)
+    return last
