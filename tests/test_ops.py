@@ -204,10 +204,12 @@ async def test_embedded_dev_server_registers_search_attributes(
     server = runtime.dev_server(settings)
     try:
         address = runtime.start_dev_server(settings)
-        client = await Client.connect(address)
         deadline = time.monotonic() + 20
         while True:
             try:
+                # the port opens a moment before the frontend serves
+                # ("Frontend is not healthy yet"): connecting is retried too
+                client = await Client.connect(address)
                 have = await _custom_attributes(client)
                 break
             except Exception:

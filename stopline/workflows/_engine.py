@@ -228,6 +228,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                         raise HostLost(self._why_host_gone()) from None
                     continue
                 if host_gone:
+                    self._count_failed_attempts(err)  # its requests were made
                     raise HostLost(self._why_host_gone()) from None
                 if self._lost_host_of(err):
                     raise HostLost("a model call on it was never picked up") from None
