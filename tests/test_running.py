@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from stopline.activities.running import RunningCalls, call_key, finish_off_loop
+from stopline.activities.running import RunningCalls, call_key
 
 
 async def _sleeper(started: asyncio.Event, log: list[str]) -> str:
@@ -103,25 +103,6 @@ async def test_register_the_current_task_for_a_block() -> None:
     assert me is not None
     me.uncancel()  # this test's own task was the unit
     assert calls.running() == [] and unit.ended.is_set()
-
-
-async def test_finish_off_loop_completes_its_step_despite_a_cancel() -> None:
-    done: list[int] = []
-
-    def slow() -> int:
-        import time
-
-        time.sleep(0.1)
-        done.append(1)
-        return 7
-
-    async def caller() -> int:
-        return await finish_off_loop(slow)
-
-    task = asyncio.create_task(caller())
-    await asyncio.sleep(0.02)
-    task.cancel()
-    assert await task == 7 and done == [1]
 
 
 async def test_a_cancel_that_finds_the_work_done_reaches_the_keys_next_unit() -> None:

@@ -23,8 +23,6 @@ Pieces:
   worker's interceptor (``stopline.worker.interceptors.HostActivities``),
   which lives worker-side so importing activity code (the CLI reads the
   ledger through it) does not import ``temporalio.worker``.
-- :func:`finish_off_loop` — a blocking step (an fsync) run in a thread,
-  finished even if a cancel arrives meanwhile.
 
 A unit's cancel is the same ``CancelledError`` Temporal's cancel would
 raise, delivered once whichever path comes first: a tool SIGTERMs its
@@ -41,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -321,29 +319,6 @@ def configured(config: HostConfig) -> Iterator[HostConfig]:
     (``temporalio.testing.ActivityEnvironment``: tests, benchmarks)."""
     with using(config):
         yield config
-
-
-async def finish_off_loop(fn: Callable[..., T], /, *args: Any) -> T:
-    """Run blocking ``fn(*args)`` in a thread and wait for it, even if cancelled.
-
-    For a step that must complete once started (an fsync of a result the
-    activity is about to return): a cancel arriving meanwhile is absorbed,
-    so the caller still returns its outcome. The event loop — every other
-    call of this worker — is not blocked while it runs.
-
-    Returns:
-        What ``fn`` returned.
-    """
-    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    while True:
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is not None:
-                me.uncancel()
-            if fut.done():
-                return fut.result()
 
 
 @activity.defn(name=CANCEL_CALLS_ACTIVITY)

@@ -19,9 +19,10 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 from stopline.workflows._placement import HostLost
-from stopline.workflows._state import FLUSH_RETRY, Counters, written_paths
+from stopline.workflows._state import FLUSH_RETRY, written_paths
 
 with workflow.unsafe.imports_passed_through():
+    from stopline.core.turn_state import Counters
     from stopline.core.contracts import (
         LEDGER_FLUSH_ACTIVITY,
         LedgerFlushInput,

@@ -38,9 +38,10 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
-from stopline.workflows._state import Counters, End, activity_failure_reason
+from stopline.workflows._state import activity_failure_reason
 
 with workflow.unsafe.imports_passed_through():
+    from stopline.core.turn_state import Counters, End
     from stopline.core import policies
     from stopline.core.contracts import (
         HOST_CLAIMED_SIGNAL,

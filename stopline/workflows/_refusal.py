@@ -15,9 +15,9 @@ from typing import Any
 
 from temporalio import workflow
 
-from stopline.workflows._state import Counters, End
 
 with workflow.unsafe.imports_passed_through():
+    from stopline.core.turn_state import Counters, End
     from stopline.core import refusal
     from stopline.core.contracts import ModelCandidate, RefusalStop, SamplingResult
 

@@ -1,13 +1,14 @@
-"""State shared by the turn engine's parts: outcomes, running calls, counters,
-retry policies, and the pure helpers that read activity handles.
+"""What the turn engine's parts share: retry policies, patch ids, the
+stand-ins for calls a round ran, and the pure helpers that read activity
+handles. The plain records (how a turn ends, running calls, counters) are
+in :mod:`stopline.core.turn_state`, passed through the sandbox.
 
 Deterministic code only (DESIGN §1): imported by workflow code in the sandbox.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -18,7 +19,6 @@ with workflow.unsafe.imports_passed_through():
     from stopline.core.contracts import (
         SAMPLE_ACTIVITY,
         SAMPLING_DROPPED_ERROR,
-        ChildInfo,
         Fatal,
         RespondToModel,
         SamplingResult,
@@ -66,52 +66,6 @@ STREAM_ITEMS_CARRIED = 200
 
 #: Returned by a step whose turn a user interrupt aborted.
 ABORTED = object()
-
-
-@dataclass
-class End:
-    """How a turn (and, for a task, the task) ends."""
-
-    status: str
-    reason: str
-    refused: bool = False
-    #: The thread cannot go on at all (no host reaches its workspace): a
-    #: chat thread ends too, not just the turn.
-    final: bool = False
-
-
-@dataclass
-class RunningCall:
-    """A tool call of the current turn: its activity (or sub-task) handle."""
-
-    call: ToolCall
-    handle: Any
-    started_at: datetime
-    settled: bool = False
-
-
-@dataclass
-class Child:
-    """A sub-task this thread started, with its child-workflow handle."""
-
-    info: ChildInfo
-    handle: Any = None
-
-
-@dataclass
-class Counters:
-    """What the thread counts and remembers across rounds."""
-
-    rounds: int = 0
-    provider_calls: int = 0
-    aborts_done: int = 0
-    final_text: str = ""
-    last_tool: str | None = None
-    last_tool_args: str | None = None
-    last_tool_outcome: str | None = None
-    changed_paths: list[str] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
 
 
 def written_paths(call: ToolCall) -> list[str]:

@@ -19,7 +19,7 @@ from temporalio import workflow
 from temporalio.exceptions import ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
-from stopline.workflows._state import TOOL_RETRY, Child, activity_failure_reason
+from stopline.workflows._state import TOOL_RETRY, activity_failure_reason
 
 #: ``workflow.patched`` id of a quiet end: a thread stops and awaits its
 #: running sub-tasks, and waits for its released host session to report,
@@ -32,6 +32,7 @@ SESSION_END_WAIT = timedelta(seconds=5)
 SCRIPTED_PREFIX = "scripted:"
 
 with workflow.unsafe.imports_passed_through():
+    from stopline.core.turn_state import Child
     from pydantic import ValidationError
 
     from stopline.core import policies, refusal

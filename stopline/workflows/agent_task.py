@@ -18,10 +18,11 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 from stopline.workflows._engine import TurnEngine
 from stopline.workflows._placement import HostLost
-from stopline.workflows._state import End, activity_failure_reason
+from stopline.workflows._state import activity_failure_reason
 from stopline.workflows._subtasks import QUIET_END_PATCH
 
 with workflow.unsafe.imports_passed_through():
+    from stopline.core.turn_state import End
     from stopline.core import policies, refusal
     from stopline.core.contracts import (
         AGENT_TASK_WORKFLOW,

@@ -23,10 +23,11 @@ from temporalio.exceptions import ActivityError
 
 from stopline.workflows._engine import TurnEngine
 from stopline.workflows._placement import HostLost
-from stopline.workflows._state import End, activity_failure_reason
+from stopline.workflows._state import activity_failure_reason
 from stopline.workflows._subtasks import QUIET_END_PATCH
 
 with workflow.unsafe.imports_passed_through():
+    from stopline.core.turn_state import End
     from pydantic import BaseModel
 
     from stopline.core import policies

@@ -36,7 +36,7 @@ import structlog
 from temporalio import activity
 
 from stopline.activities._heartbeat import heartbeating
-from stopline.activities.running import call_key, current, finish_off_loop
+from stopline.activities.running import call_key, current
 from stopline.core.contracts import TOOL_ACTIVITY, Fatal, RespondToModel, ToolCallInput
 
 from ._context import CallProgress
@@ -94,9 +94,8 @@ async def run_call(inp: ToolCallInput, progress: CallProgress | None = None) -> 
         if isinstance(outcome, RespondToModel):
             from stopline.activities.ledger import default_store  # ledger imports tools: import late
 
-            await finish_off_loop(
-                default_store().stage, inp.task_id, f"call-{inp.call.id}", {"text": outcome.text}
-            )
+            # In memory, synchronous: no cancel can land half-way through it.
+            default_store().stage(inp.task_id, f"call-{inp.call.id}", {"text": outcome.text})
         match outcome:
             case RespondToModel():
                 log.info("tool_call", ok=outcome.ok, aborted=outcome.aborted, elapsed_s=outcome.elapsed_s)
