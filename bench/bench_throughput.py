@@ -30,7 +30,7 @@ scripted servers and this client run here):
   activity per round, no ledger: the floor of a round on Temporal. Its
   activities share the workflow's task queue, so the server hands each one
   out eagerly with the workflow task that scheduled it;
-- naive, host queue: the same loop with its activities on a second task
+- naive-host: the same loop with its activities on a second task
   queue, as stopline's host-bound activities are (DESIGN §7): each goes
   through matching (AddActivityTask, a poll) — the cost of binding work to
   a host, apart from stopline's own.
@@ -153,7 +153,7 @@ async def naive_task(client: Client, queue: str, home: Path, server: ScriptedSer
 
 #: The naive loop with its activities on a second task queue, as host-bound
 #: activities are (DESIGN §7): no eager dispatch.
-NAIVE_HOST_QUEUE = "naive, host queue"
+NAIVE_HOST_QUEUE = "naive-host"
 
 Runner = Callable[[Client, str, Path, ScriptedServer, int], Awaitable[int]]
 
