@@ -952,6 +952,30 @@ async def test_anthropic_request_shape(serve: Serve, stream: bool) -> None:
     ]
 
 
+@pytest.mark.parametrize("wire", ALL_WIRES)
+async def test_request_body_is_json_whatever_the_arguments_hold(serve: Serve, wire: str, stream: bool) -> None:
+    """The body is sent as UTF-8 JSON (content-type set by us): text outside
+    ASCII arrives as written, and a NaN a model put in its arguments, which
+    JSON cannot carry, arrives as null instead of failing the call."""
+    server = serve(wire, entry(reply(wire, "done")))
+    call_nan = ToolCall(id="call_n", name="shell", arguments={"cmd": "größe ✓", "x": float("nan")},
+                        raw_arguments='{"cmd": "größe ✓", "x": NaN}')
+    messages = [
+        Message(role="user", parts=[TextPart(text="schreib «hallo» ✓")]),
+        Message(role="assistant", parts=[ToolUsePart(call=call_nan)]),
+        Message(role="user", parts=[ToolResultPart(call_id="call_n", text="ok ✓")]),
+    ]
+    await call(server, stream=stream, messages=messages)
+    req = recorded(server)
+    assert req["headers"]["content-type"] == "application/json"
+    body = req["body"]
+    assert isinstance(body, dict), f"the body did not parse as JSON: {body!r}"
+    text = json.dumps(body, ensure_ascii=False)
+    assert "schreib «hallo» ✓" in text and "ok ✓" in text
+    if wire == ANTHROPIC:
+        assert body["messages"][1]["content"][0]["input"] == {"cmd": "größe ✓", "x": None}
+
+
 async def test_chat_request_shape(serve: Serve, stream: bool) -> None:
     server = serve(CHAT, entry(openai_chat_completion("done")))
     await call(server, stream=stream, messages=CONVERSATION, api_key="sk-secret")

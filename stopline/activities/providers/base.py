@@ -621,7 +621,7 @@ def request_body(payload: Any) -> bytes:
     times as long (bench/bench_throughput.py). A NaN or infinity, which JSON
     lacks (a model's tool arguments may hold one), is sent as ``null``.
     """
-    return pydantic_core.to_json(payload)
+    return pydantic_core.to_json(payload, inf_nan_mode="null")
 
 
 def _json_body(provider: str, response: httpx.Response) -> Any:
