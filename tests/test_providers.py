@@ -976,6 +976,22 @@ async def test_request_body_is_json_whatever_the_arguments_hold(serve: Serve, wi
         assert body["messages"][1]["content"][0]["input"] == {"cmd": "größe ✓", "x": None}
 
 
+@pytest.mark.parametrize("wire", ALL_WIRES)
+async def test_lone_surrogates_from_the_provider_become_replacement_characters(
+    serve: Serve, wire: str, stream: bool
+) -> None:
+    """Half an emoji escaped on its own (``\\ud83d``) in text or tool
+    arguments would make the response impossible to record or send back:
+    it arrives as U+FFFD, and a well-formed pair as its character."""
+    server = serve(wire, entry(reply(wire, "cut \ud83d here, whole \U0001f600", [
+        ("call_1", "shell", {"cmd": "echo \udc00"}),
+    ])))
+    result = await call(server, stream=stream)
+    assert result.text == "cut \ufffd here, whole \U0001f600"
+    assert result.tool_calls[0].arguments == {"cmd": "echo \ufffd"}
+    result.model_dump_json()  # recordable: no lone surrogate left anywhere
+
+
 async def test_chat_request_shape(serve: Serve, stream: bool) -> None:
     server = serve(CHAT, entry(openai_chat_completion("done")))
     await call(server, stream=stream, messages=CONVERSATION, api_key="sk-secret")

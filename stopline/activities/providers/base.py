@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -364,7 +365,7 @@ def tool_call_from_raw(call_id: str, name: str, raw_arguments: str) -> ToolCall:
     if not raw_arguments.strip():
         return ToolCall(id=call_id, name=name, arguments={}, raw_arguments=raw_arguments)
     try:
-        value = json.loads(raw_arguments)
+        value = provider_json(raw_arguments)
     except ValueError as e:
         return ToolCall(
             id=call_id, name=name, arguments=None, raw_arguments=raw_arguments,
@@ -376,6 +377,41 @@ def tool_call_from_raw(call_id: str, name: str, raw_arguments: str) -> ToolCall:
             parse_error=f"arguments are a JSON {type(value).__name__}, not an object",
         )
     return ToolCall(id=call_id, name=name, arguments=value, raw_arguments=raw_arguments)
+
+
+#: A JSON escape of a UTF-16 surrogate code unit (``\\ud800``–``\\udfff``).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def provider_json(data: str | bytes) -> Any:
+    """``json.loads`` for what a provider sent, lone surrogates replaced.
+
+    JSON can escape half of a UTF-16 surrogate pair on its own
+    (``"\\ud83d"``: a model that cut an emoji in two). Python decodes it
+    into a string no UTF-8 encoder accepts, so the response could be
+    neither recorded (activity result, ledger) nor sent back, and the
+    sampling call failed and was re-sent. Each lone surrogate becomes
+    U+FFFD; a well-formed pair decodes to its character as usual.
+
+    Raises:
+        ValueError: When ``data`` is not JSON (``json.JSONDecodeError``).
+    """
+    value = json.loads(data)
+    escape = _SURROGATE_ESCAPE_BYTES if isinstance(data, (bytes, bytearray)) else _SURROGATE_ESCAPE
+    if escape.search(data):  # type: ignore[arg-type]
+        value = _replace_lone_surrogates(value)
+    return value
+
+
+def _replace_lone_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_replace_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_replace_lone_surrogates(k): _replace_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def shape_error(provider: str, what: str, *, status: int | None = 200) -> ProviderError:
@@ -394,7 +430,7 @@ def load_json_event(provider: str, data: str) -> dict[str, Any]:
         ProviderError: Non-retryable, when it is not a JSON object.
     """
     try:
-        value = json.loads(data)
+        value = provider_json(data)
     except ValueError:
         raise shape_error(provider, f"stream event is not JSON: {truncate(data, 120)!r}", status=None) from None
     if not isinstance(value, dict):
@@ -595,7 +631,7 @@ class WireAdapter:
 
     def _http_error(self, response: httpx.Response, model: str) -> SamplingResult:
         try:
-            body: Any = json.loads(response.content)
+            body: Any = provider_json(response.content)
         except ValueError:
             body = None
         report = error_report(
@@ -626,7 +662,7 @@ def request_body(payload: Any) -> bytes:
 
 def _json_body(provider: str, response: httpx.Response) -> Any:
     try:
-        return json.loads(response.content)
+        return provider_json(response.content)
     except ValueError:
         raise shape_error(
             provider, f"response body is not JSON: {truncate(response.text, 120)!r}",
