@@ -361,6 +361,44 @@ async def test_transcript_of_a_running_task_shows_the_message_whose_calls_run(
         await client.get_workflow_handle(task_id).cancel(reason="test cleanup")
 
 
+@pytest.mark.usefixtures("worker", "unconfined")
+async def test_a_watcher_sees_a_round_while_the_sampling_activity_runs_its_calls(
+    client: Client, env: dict[str, str], scripted: Any, workspace: Path,
+) -> None:
+    """A quick response whose calls the sampling activity runs itself reaches
+    the stream whole only when they end; a watcher gets its text and calls as
+    deltas before they start (what ``run`` / ``follow`` draw meanwhile)."""
+    server = scripted(scenario(
+        "anthropic",
+        entry(anthropic_message("first, a pause", tool_calls=[("c1", "shell", {"command": "sleep 3"})])),
+        entry(anthropic_message("now the long one", tool_calls=[
+            ("c2", "shell", {"command": "echo $$ > pid; sleep 100"})])),
+    ))
+    task_id = f"task-{uuid.uuid4().hex[:8]}"
+    run = await asyncio.to_thread(_cli, env, "run", "go", "--model", "anthropic:scripted",
+                                  "--base-url", server.url, "--workspace", str(workspace),
+                                  "--id", task_id, "--detach")
+    assert run.returncode == 0, run.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "stopline.cli", "follow", task_id, "--json"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = _Lines(proc)
+        await out.wait_for('"call_id":"c1"', timeout=60)  # attached during round 1's call
+        await wait_until(lambda: (workspace / "pid").exists(), 60, "round 2's call")
+        await out.wait_for('"text":"now the long one"', timeout=15)
+        events = [json.loads(line) for _, line in out.lines if line.startswith('{"kind"')]
+        round2 = [e for e in events if e.get("round") == 2]
+        kinds = [e["kind"] for e in round2]
+        assert "assistant_delta" in kinds and "tool_args_delta" in kinds, round2
+        assert "assistant_text" not in kinds and "tool_call_started" not in kinds, round2
+        (args,) = [e for e in round2 if e["kind"] == "tool_args_delta"]
+        assert args["call_id"] == "c2" and args["tool_name"] == "shell" and "sleep 100" in args["text"]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        await client.get_workflow_handle(task_id).cancel(reason="test cleanup")
+
+
 @pytest.mark.usefixtures("worker")
 async def test_a_poll_for_an_event_the_run_never_publishes_does_not_hold_it_open(
     client: Client, scripted: Any, workspace: Path, task_queue: str,

@@ -136,6 +136,7 @@ class DeltaPublisher:
         self._loop: asyncio.Task[None] | None = None
         self._publishing = asyncio.Lock()
         self._broken = False
+        self._rest_started = False
 
     @property
     def enabled(self) -> bool:
@@ -162,7 +163,50 @@ class DeltaPublisher:
                 await self._loop
             except asyncio.CancelledError:
                 pass
-        self._buffer = []
+        # What is left is not published (see the class docstring), unless
+        # publish_rest is asked for it.
+
+    async def publish_rest(self, after_s: float = 0.0) -> None:
+        """Publish what the call left buffered, after the context has exited.
+
+        For a round whose tool calls the sampling activity runs itself
+        (DESIGN §1): its message reaches the stream only when they end, so a
+        watcher would otherwise see nothing of the round while they run.
+        On a terminal, ``run`` / ``follow`` then show the text and the calls
+        (``▶ tool args``) until the whole message replaces them. Run it as a
+        task beside the calls and end it with :meth:`end_rest`.
+
+        Args:
+            after_s: Seconds to wait first (:data:`UNWATCHED_FIRST_PUBLISH_S`
+                when nobody watched as the round started: calls that end
+                sooner publish nothing).
+
+        The publish is bounded by :data:`FINAL_FLUSH_S`; a failure is logged,
+        never raised: the round goes on either way.
+        """
+        if not self.enabled or not self._buffer:
+            return
+        if after_s > 0:
+            await asyncio.sleep(after_s)
+        self._rest_started = True
+
+        async def publish() -> None:
+            async with self._publishing:
+                await self._publish()
+
+        try:
+            await asyncio.wait_for(publish(), FINAL_FLUSH_S)
+        except Exception as err:  # the workflow closed, the server blinked, too slow
+            log.warning("delta_publish_failed", error=str(err) or type(err).__name__)
+            self._broken = True
+
+    async def end_rest(self, rest: asyncio.Task[None]) -> None:
+        """End a :meth:`publish_rest` task when the round's calls have ended:
+        cancelled while it still waits, waited for once it publishes (so no
+        delta reaches the stream after the round's result)."""
+        if not rest.done() and not self._rest_started:
+            rest.cancel()
+        await asyncio.wait([rest])
 
     def on_delta(self, delta: SamplingDelta) -> None:
         """The adapters' ``on_delta`` callback: one text or tool-argument piece."""

@@ -431,7 +431,15 @@ async def _sample(inp: SampleInput) -> SamplingResult:
             # of it (policies.untriaged_calls); here the key is still in it.
             calls = []
         if calls:
-            result.tool_outcomes = await round_tools.run_round_tools(
-                inp, result, calls, {"attempt": info.attempt, "requests": sent[0]}, beaten=beats[0] > 0,
-            )
+            # a watcher sees the round while its calls run (unwatched: from
+            # the first second on, as for a model call)
+            rest = asyncio.create_task(deltas.publish_rest(
+                after_s=0.0 if inp.watched or deltas.published else UNWATCHED_FIRST_PUBLISH_S,
+            ))
+            try:
+                result.tool_outcomes = await round_tools.run_round_tools(
+                    inp, result, calls, {"attempt": info.attempt, "requests": sent[0]}, beaten=beats[0] > 0,
+                )
+            finally:
+                await deltas.end_rest(rest)
     return result
