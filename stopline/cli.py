@@ -1500,6 +1500,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
                 code = EXIT_CODES.get(out.status, 0)
             if args.close:
                 await handle.signal("close")
+                console.print(f"thread {escape(thread_id)} closed")
             return code
 
     return asyncio.run(go())

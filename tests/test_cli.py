@@ -117,6 +117,7 @@ def test_task_verbs_and_ctrl_c_from_the_cli(cli_env: dict[str, str], tmp_path: P
         talk = _stopline(cli_env, "chat", "hi", "--model", f"scripted:{chat}", "--workspace", str(ws), "--close")
         assert talk.returncode == 0, talk.stderr
         assert "hello from the thread" in talk.stdout
+        assert talk.stdout.splitlines()[-1].startswith("thread ") and talk.stdout.rstrip().endswith(" closed")
 
         # Ctrl-C while a task streams: first interrupts the turn, second detaches.
         proc = subprocess.Popen(
