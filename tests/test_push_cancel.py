@@ -272,6 +272,35 @@ async def test_task_stop_reaches_the_running_call_by_push(
     assert _pushed(client, events).cancelled == _pushed_keys(round_tools)
 
 
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("round_tools", [True, False], ids=["round-tools", "tool-activity"])
+async def test_an_interrupt_and_a_stop_together_record_the_round_once(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, stopline_home: Path, round_tools: bool
+) -> None:
+    """An interrupt and a ``task_stop`` landing in the same moment: the stop
+    cuts the interrupt's abort short, and aborts what is in flight itself —
+    the model's message, the call's one receipt and the marker are recorded,
+    and the request counts (the round's calls once ran unrecorded)."""
+    sleeping = entry(anthropic_message("sleeping", tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 100"})]))
+    for _ in range(3):  # the two must land together: several tries, each asserted
+        handle = await start_task(client, task_queue, scripted(scenario("anthropic", sleeping)), workspace,
+                                  interrupt_grace_s=GRACE_S, round_tools=round_tools)
+        pgid = int(await wait_until(lambda: _read(workspace / "pid"), what="the tool's pid"))
+        await asyncio.gather(handle.cancel(), handle.execute_update("interrupt", result_type=InterruptResult),
+                             return_exceptions=True)
+        result: AgentTaskResult = await handle.result()
+        assert result.status == "stopped", result
+        assert result.provider_calls == 1, result
+        assert group_alive(pgid) == []
+        rows = _rows(stopline_home, handle.id)
+        kinds = [r.kind for r in rows]
+        assert kinds.count("assistant") == 1, kinds
+        receipts = [r for r in rows if r.kind == "tool_result" and r.call_id == "c1"]
+        assert len(receipts) == 1 and receipts[0].meta.get("aborted"), receipts
+        assert kinds.count("turn_aborted") == 1, kinds
+        (workspace / "pid").unlink()
+
+
 # ------------------------------------------------------------------ fallback
 
 

@@ -42,6 +42,7 @@ from stopline.workflows._placement import HostLost, PlacementMixin
 from stopline.workflows._refusal import RefusalMixin
 from stopline.workflows._state import (
     ABORT_ONCE_PATCH,
+    ABORT_SURVIVES_STOP_PATCH,
     ABORTED,
     PUSH_CANCEL_PATCH,
     PUSH_CANCEL_RETRY,
@@ -201,10 +202,16 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                         self._append_tool_result(call, RespondToModel(
                             text=policies.host_lost_receipt(call, label), ok=False))
                     raise HostLost(self._why_host_gone())
-            self._inflight_sampling = None
             if self._interrupt_pending:
+                if not workflow.patched(ABORT_SURVIVES_STOP_PATCH):
+                    self._inflight_sampling = None
+                # else left set, as the tool calls are while their abort
+                # runs: a task_stop that cancels this abort part-way aborts
+                # the sampling call again (its round recorded), instead of
+                # finding nothing in flight and losing the round
                 await self._abort_turn(sampling, [])
                 return None
+            self._inflight_sampling = None
             if not sampling.done():
                 sampling.cancel()  # its host is gone; the next host samples again
                 # its requests still count once the abandoned call resolves

@@ -49,6 +49,11 @@ PUSH_CANCEL_PATCH = "push-cancel"
 #: before it, a ``task_stop`` after an interrupt aborted the same calls again
 #: and wrote their receipts and the marker twice.
 ABORT_ONCE_PATCH = "stopline-abort-once"
+#: ``workflow.patched`` id of "an interrupted sampling call stays in flight
+#: while its abort runs": before it, a ``task_stop`` landing in the same
+#: moment as the interrupt cut the abort short and found nothing to abort,
+#: so a round whose calls the sampling activity ran was never recorded.
+ABORT_SURVIVES_STOP_PATCH = "stopline-abort-survives-stop"
 #: ``workflow.patched`` id of "a run's end releases its stream polls": before
 #: it, a poll for an offset the run never reached (a reset re-applies a
 #: watcher's polls from the longer branch) kept the run open for ever.
