@@ -40,8 +40,9 @@ own, started for it, warmed up with one uncounted 5-round task and
 stopped after it: a dev server slows as it holds more finished workflows
 (in-memory persistence; 15–40% over a nine-run sequence), so a shared one
 favoured whichever loop ran first. At each level the loops run
-``--repeats`` times (default 3), in rotated order, and each figure is the
-median of its repeats. "× naive" divides those medians; "× naive,
+``--repeats`` times (default 3), in rotated order (balanced only when the
+repeats are a multiple of the loops), and each figure is the median of its
+repeats (the lower middle run for an even count). "× naive" divides those medians; "× naive,
 paired" is the median, over repeats, of each repeat's own ratio (the
 loops of one repeat run a minute or two apart, so a machine whose speed
 drifts over the benchmark — this shared one swings by 30% — moves both). Goal: at 50
@@ -233,7 +234,8 @@ def paired_ratio(runs: list[Level], naive: list[Level]) -> float:
     """Median over repeats of a loop's rounds/s over the naive loop's in the
     same repeat (run minutes apart at most, so a machine that speeds up or
     slows down over the benchmark — a shared host does — moves both)."""
-    return statistics.median(r.rounds_per_s / n.rounds_per_s for r, n in zip(runs, naive, strict=True))
+    # the lower middle with an even count, as median_level takes
+    return statistics.median_low(r.rounds_per_s / n.rounds_per_s for r, n in zip(runs, naive, strict=True))
 
 
 def report(args: argparse.Namespace, results: dict[tuple[str, int], list[Level]]) -> None:
@@ -279,7 +281,7 @@ def parse_args() -> argparse.Namespace:
                    help=f"loops to run, comma-separated; stopline and naive always (default {','.join(LOOPS)})")
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    args.loops = tuple(x.strip() for x in args.loops.split(",") if x.strip())
+    args.loops = tuple(dict.fromkeys(x.strip() for x in args.loops.split(",") if x.strip()))
     if not {"stopline", "naive"} <= set(args.loops) <= set(LOOPS):
         p.error(f"--loops: stopline and naive, and optionally {NAIVE_HOST_QUEUE!r}")
     if args.rounds < 2 or not args.levels or min(args.levels) < 1 or args.repeats < 1:
