@@ -992,6 +992,23 @@ async def test_lone_surrogates_from_the_provider_become_replacement_characters(
     result.model_dump_json()  # recordable: no lone surrogate left anywhere
 
 
+@pytest.mark.parametrize("wire", ALL_WIRES)
+async def test_arguments_nested_too_deep_are_held_back(serve: Serve, wire: str, stream: bool) -> None:
+    """Arguments nested ~250 levels deep would make a sampling result the
+    workflow cannot decode (the task hung): the call comes back with a
+    parse error instead, and the result stays recordable."""
+    deep: Any = 1
+    for _ in range(248):
+        deep = {"k": deep}
+    server = serve(wire, entry(reply(wire, "", [("call_1", "shell", {"cmd": "echo hi", "x": deep}),
+                                                ("call_2", "shell", {"cmd": "echo ok", "x": [[{"y": 1}]]})])))
+    result = await call(server, stream=stream)
+    first, second = result.tool_calls
+    assert first.arguments is None and first.parse_error == "arguments nest deeper than 64 levels"
+    assert second.arguments == {"cmd": "echo ok", "x": [[{"y": 1}]]} and second.parse_error is None
+    SamplingResult.model_validate_json(result.model_dump_json())
+
+
 async def test_chat_request_shape(serve: Serve, stream: bool) -> None:
     server = serve(CHAT, entry(openai_chat_completion("done")))
     await call(server, stream=stream, messages=CONVERSATION, api_key="sk-secret")

@@ -376,7 +376,37 @@ def tool_call_from_raw(call_id: str, name: str, raw_arguments: str) -> ToolCall:
             id=call_id, name=name, arguments=None, raw_arguments=raw_arguments,
             parse_error=f"arguments are a JSON {type(value).__name__}, not an object",
         )
+    if _nesting(value) > MAX_ARGUMENT_NESTING:
+        return ToolCall(
+            id=call_id, name=name, arguments=None, raw_arguments=raw_arguments,
+            parse_error=f"arguments nest deeper than {MAX_ARGUMENT_NESTING} levels",
+        )
     return ToolCall(id=call_id, name=name, arguments=value, raw_arguments=raw_arguments)
+
+
+#: Deepest nesting of objects and arrays a tool call's parsed arguments may
+#: have. Temporal's JSON payloads are decoded by pydantic-core, which stops
+#: at a depth of about 250 counting the result's own envelope: deeper
+#: arguments made a sampling result the workflow could never read, and the
+#: task hung on a failing workflow task. No tool takes arguments nested
+#: anywhere near this; such a call is held back like unparsable arguments.
+MAX_ARGUMENT_NESTING = 64
+
+
+def _nesting(value: Any) -> int:
+    """Depth of nested objects and arrays in ``value`` (a scalar: 0)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+    return deepest
 
 
 #: A JSON escape of a UTF-16 surrogate code unit (``\\ud800``–``\\udfff``).
