@@ -22,7 +22,6 @@ from stopline.workflows._placement import HostLost
 from stopline.workflows._state import FLUSH_RETRY, written_paths
 
 with workflow.unsafe.imports_passed_through():
-    from stopline.core.turn_state import Counters
     from stopline.core.contracts import (
         LEDGER_FLUSH_ACTIVITY,
         LedgerFlushInput,
@@ -33,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         ToolCall,
     )
     from stopline.core.policies import background_shell_id
+    from stopline.core.turn_state import Counters
 
 
 class LedgerMixin:

@@ -41,7 +41,6 @@ from temporalio.exceptions import TimeoutError as ActivityTimeout
 from stopline.workflows._state import activity_failure_reason
 
 with workflow.unsafe.imports_passed_through():
-    from stopline.core.turn_state import Counters, End
     from stopline.core import policies
     from stopline.core.contracts import (
         HOST_CLAIMED_SIGNAL,
@@ -55,6 +54,7 @@ with workflow.unsafe.imports_passed_through():
         host_task_queue,
         pool_task_queue,
     )
+    from stopline.core.turn_state import Counters, End
 
 #: ``workflow.patched`` id of placement: histories recorded before it ran
 #: every host activity on the input's fixed ``host_task_queue``.

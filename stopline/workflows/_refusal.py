@@ -15,11 +15,10 @@ from typing import Any
 
 from temporalio import workflow
 
-
 with workflow.unsafe.imports_passed_through():
-    from stopline.core.turn_state import Counters, End
     from stopline.core import refusal
     from stopline.core.contracts import ModelCandidate, RefusalStop, SamplingResult
+    from stopline.core.turn_state import Counters, End
 
 
 class RefusalMixin:

@@ -32,7 +32,6 @@ SESSION_END_WAIT = timedelta(seconds=5)
 SCRIPTED_PREFIX = "scripted:"
 
 with workflow.unsafe.imports_passed_through():
-    from stopline.core.turn_state import Child
     from pydantic import ValidationError
 
     from stopline.core import policies, refusal
@@ -54,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
         TaskStartArgs,
         TaskWaitArgs,
     )
+    from stopline.core.turn_state import Child
 
 
 class SubtaskMixin:

@@ -27,7 +27,6 @@ from stopline.workflows._state import activity_failure_reason
 from stopline.workflows._subtasks import QUIET_END_PATCH
 
 with workflow.unsafe.imports_passed_through():
-    from stopline.core.turn_state import End
     from pydantic import BaseModel
 
     from stopline.core import policies
@@ -41,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
         TaskStatus,
     )
     from stopline.core.search_attributes import updates as search_attribute_updates
+    from stopline.core.turn_state import End
 
 
 class TurnOutcome(BaseModel):
