@@ -67,7 +67,6 @@ from stopline.workflows._state import (
 from stopline.workflows._subtasks import SubtaskMixin
 
 with workflow.unsafe.imports_passed_through():
-    from stopline.core.turn_state import Child, Counters, End, RunningCall
     from stopline.core import policies, refusal
     from stopline.core.contracts import (
         CANCEL_CALLS_ACTIVITY,
@@ -100,6 +99,7 @@ with workflow.unsafe.imports_passed_through():
         ToolOutcome,
     )
     from stopline.core.task_tools import TASK_TOOL_NAMES
+    from stopline.core.turn_state import Child, Counters, End, RunningCall
 
 
 class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
@@ -194,10 +194,8 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                 if settled is not None:
                     recorded = settled[0]
                     self._inflight_sampling = None
-                    self._accept_increments()
-                    self._append_response(recorded, staged=False)
+                    self._append_recorded_round(recorded)
                     label = self._host_label()
-                    self._note_calls(recorded.tool_calls)
                     for call in recorded.tool_calls:
                         self._append_tool_result(call, RespondToModel(
                             text=policies.host_lost_receipt(call, label), ok=False))
@@ -371,6 +369,13 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         # its requests count (DESIGN §5); an answer that comes later is ignored
         self._n.provider_calls += max(record.requests, 1)
         return record.response, record.calls_lost
+
+    def _append_recorded_round(self, response: SamplingResult) -> None:
+        """Append a round's response read from its record (its calls ran or
+        may have: their receipts follow), with the increments before it."""
+        self._accept_increments()
+        self._append_response(response, staged=False)
+        self._note_calls(response.tool_calls)
 
     def _note_calls(self, calls: list[ToolCall]) -> None:
         """Remember a round's calls as the last ones made (a result's evidence)."""
@@ -750,9 +755,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         now = workflow.now()
         if settled is not None:
             response, lost = settled
-            self._accept_increments()
-            self._append_response(response, staged=False)
-            self._note_calls(response.tool_calls)
+            self._append_recorded_round(response)
             # calls of a worker that is gone are lost; others did not answer
             # in the grace: aborted, their groups killed by the flush below
             gone = lost_round_error("its worker was lost before the interrupt reached it")
