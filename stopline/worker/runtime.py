@@ -309,8 +309,55 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
         return False
 
 
+#: Where :func:`free_port` looks first: below the kernel's ephemeral range
+#: and above the well-known and registered ports people run servers on.
+FREE_PORT_FLOOR = 10_000
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (inclusive), Linux's default if unreadable."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for tests and ephemeral servers)."""
+    """An unused TCP port on 127.0.0.1 that no ``bind(0)`` will hand out.
+
+    For tests, benchmarks and ephemeral servers that are stopped and started
+    again on the same port. A port from ``bind(0)`` comes from the kernel's
+    ephemeral range: once the server on it stops, the next ``bind(0)`` on
+    the machine may get it. The Temporal dev server picks its internal ports
+    (history, matching, HTTP, metrics) that way while it starts, so a dev
+    server restarted on such a port could collide with its own internal
+    port and exit. Ports are therefore drawn at random outside the ephemeral
+    range (``/proc/sys/net/ipv4/ip_local_port_range``), checked free by
+    binding, and never handed out twice by one process.
+
+    Returns:
+        The port number; from ``bind(0)`` only when the ephemeral range
+        leaves no room outside it.
+    """
+    import random
+
+    low, high = _ephemeral_range()
+    spans = [(a, b) for a, b in ((FREE_PORT_FLOOR, low - 1), (high + 1, 65535)) if b - a > 100]
+    for _ in range(200 if spans else 0):
+        a, b = random.choice(spans)
+        port = random.randint(a, b)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -713,7 +760,8 @@ async def wait_frontend_ready(
     while True:
         if managed is not None and managed.pid() is None:
             raise EmbeddedServerError(
-                f"the Temporal dev server exited while starting; see {managed.log_file}"
+                f"the Temporal dev server exited while starting: {_last_line(managed.log_file)} "
+                f"(log: {managed.log_file})"
             )
         try:
             client = await Client.connect(address, namespace=settings.temporal_namespace)
