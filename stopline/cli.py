@@ -1270,7 +1270,8 @@ def _shown_status(recorded: str | None, execution: Any) -> str:
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
-    """Tasks and chat threads with their outcome (from search attributes), newest first."""
+    """Tasks and chat threads with their outcome (from search attributes), in the
+    server's visibility order: running ones first, then by close time, newest first."""
     from stopline.core import search_attributes as sa
 
     async def go() -> int:
