@@ -1429,8 +1429,8 @@ def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
         if ev.get("last_message"):
             console.print(f"  last message: {str(ev['last_message'])[:300]}", markup=False)
         tool = ev.get("last_tool")
-        if isinstance(tool, dict) and tool.get("name"):
-            console.print(f"  last tool:    {tool.get('name')} {tool.get('args_firstline') or ''}".rstrip(),
+        if isinstance(tool, dict) and tool.get("tool"):  # keys: refusal.stop_evidence
+            console.print(f"  last tool:    {tool['tool']} {tool.get('args_firstline') or ''}".rstrip(),
                           markup=False)
         if ev.get("changed_paths"):
             console.print(f"  changed:      {', '.join(ev['changed_paths'])}", markup=False)

@@ -202,6 +202,8 @@ async def test_stop_names_the_cancel_and_reports_an_undelivered_message(
         f"{task_id} stopped: cancelled by a workflow cancel request: `stopline stop`"
     )
     assert _one_line(stop.stdout, "undelivered:").strip() == "undelivered:  please also check the docs"
+    last_tool = _one_line(stop.stdout, "last tool:").strip()
+    assert last_tool.startswith("last tool:    shell {") and "sleep 100" in last_tool, stop.stdout
     result = await client.get_workflow_handle(task_id, result_type=AgentTaskResult).result()
     assert result.undelivered_messages == ["please also check the docs"]
     rows = LedgerStore(stopline_home / "ledger").read(task_id)

@@ -416,8 +416,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             return None
         self._count_failed_attempts(err)
         self._flushed_seq = max(self._flushed_seq, self._sampled_upto)
-        self._accept_increments()
-        self._append_response(found, staged=False)
+        self._append_recorded_round(found)
         return list(found.tool_calls), {c.id: Resolved(error=err) for c in found.tool_calls}
 
     async def _turn(self) -> End | None:
@@ -774,6 +773,7 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
                     # one result are recorded before the marker
                     self._accept_increments()
                     self._append_response(res)
+                    self._note_calls(res.tool_calls)
                     running = running + [
                         RunningCall(c, Resolved(value=o), now - timedelta(seconds=getattr(o, "elapsed_s", 0.0)))
                         for c in res.tool_calls
