@@ -792,3 +792,57 @@ async def test_read_file_refuses_a_fifo_instead_of_blocking_the_worker(tmp_path:
             task_id="t", call=ToolCall(id=f"c-{name}", name=name, arguments=args), workspace=str(ws),
         )), 5)
         assert out.ok is False and "not a regular file" in out.text, out
+
+
+def test_group_watch_walks_proc_only_when_known_members_are_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting on a group whose member lives costs a stat read per check, not
+    a walk of /proc (which blocked the event loop through a TERM-ignoring
+    call's grace); a member forked after the walk and a group left with only
+    a zombie are still told apart from an empty one."""
+    import contextlib
+    import subprocess
+
+    from stopline.activities.tools import procs
+
+    walks = []
+    real = procs.group_members
+    monkeypatch.setattr(procs, "group_members", lambda pgid: walks.append(pgid) or real(pgid))
+
+    # a leader that lives on, then exits leaving a child it forked late
+    proc = subprocess.Popen(["sh", "-c", "sleep 0.4; sleep 30 & exit 0"],
+                            start_new_session=True)
+    try:
+        watch = procs._GroupWatch(proc.pid)
+        checks = 0
+        while proc.poll() is None:
+            assert not watch.emptied()
+            checks += 1
+            time.sleep(procs.POLL_S)
+        # one walk (two if a check fell between its exit and its reaping);
+        # a walk on a timer alone made ~11 in these 0.4 s
+        assert checks > 20 and len(walks) <= 2, (checks, walks)
+        # the leader is reaped; its late child is a member the walk never saw
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            assert not watch.emptied()
+            time.sleep(procs.POLL_S)
+        assert len(walks) > 1  # it walked again to find it
+        os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not watch.emptied() and time.monotonic() < deadline:
+            time.sleep(procs.POLL_S)
+        assert watch.emptied()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    # only a zombie left (our child, not reaped yet): emptied, by a walk
+    zombie = subprocess.Popen(["sh", "-c", "exit 0"], start_new_session=True)
+    try:
+        time.sleep(0.2)
+        assert procs._proc_stat(zombie.pid)[0] == "Z"
+        watch = procs._GroupWatch(zombie.pid)
+        assert watch.emptied()
+    finally:
+        zombie.wait()
