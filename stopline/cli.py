@@ -637,6 +637,8 @@ async def _follow_with_interrupts(
 
 def _not_interrupted(res: InterruptResult) -> str:
     """Why an interrupt changed nothing, in words."""
+    if res.joined:
+        return f"an interrupt already in progress aborted the turn: {_calls_phrase(res)}"
     if res.ended:
         return "the task is stopping (or has ended); its stop aborts the turn — nothing to interrupt"
     return "no turn was running; nothing was interrupted"

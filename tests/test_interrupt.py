@@ -284,8 +284,24 @@ async def test_interrupt_is_idempotent(
     ))
     handle = await start_task(client, task_queue, server, workspace)
     await _wait_for(workspace / "pid")
-    first, second = await asyncio.gather(_interrupt(handle), _interrupt(handle))
-    assert sorted([first[0].interrupted, second[0].interrupted]) == [False, True]
+    pid = int((workspace / "pid").read_text())
+    rows_seen: list[list[str]] = []
+
+    async def interrupt_and_look() -> InterruptResult:
+        res, _ = await _interrupt(handle)
+        # each caller returns only once the abort is done: marker in the file, group gone
+        rows_seen.append([r.kind for r in _rows(stopline_home, handle.id)])
+        assert not group_alive(pid)
+        return res
+
+    first, second = await asyncio.gather(interrupt_and_look(), interrupt_and_look())
+    by_this, joined = (first, second) if first.interrupted else (second, first)
+    assert by_this.interrupted and not by_this.joined
+    # the other one waited for that abort and reports it; it added nothing
+    assert joined.joined and not joined.interrupted
+    assert joined.aborted_calls == by_this.aborted_calls == ["c1"]
+    assert joined.last_seq == by_this.last_seq
+    assert all(kinds[-1] == "turn_aborted" for kinds in rows_seen), rows_seen
     await _wait_state(handle, "waiting")
     again, took = await _interrupt(handle)  # no turn running: returns at once, adds nothing
     assert again.interrupted is False and took < 2.0

@@ -1053,6 +1053,9 @@ class InterruptResult(_Model):
         last_seq: Last ledger seq, fsynced to the ledger file before return.
         ended: ``True`` when the task ended (a ``task_stop``) before the
             interrupt could abort its turn: the stop aborted it instead.
+        joined: ``True`` when an interrupt already in progress aborted the
+            turn: this call waited for that abort to finish (marker fsynced,
+            process groups gone) and reports its calls; it added nothing.
     """
 
     interrupted: bool
@@ -1060,6 +1063,7 @@ class InterruptResult(_Model):
     kept_calls: list[str] = Field(default_factory=list)
     last_seq: int = 0
     ended: bool = False
+    joined: bool = False
 
 
 class MessageAck(_Model):

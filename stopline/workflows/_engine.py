@@ -44,6 +44,7 @@ from stopline.workflows._state import (
     ABORT_ONCE_PATCH,
     ABORT_SURVIVES_STOP_PATCH,
     ABORTED,
+    INTERRUPT_JOINS_PATCH,
     PUSH_CANCEL_PATCH,
     PUSH_CANCEL_RETRY,
     PUSH_CANCEL_TIMEOUT,
@@ -946,7 +947,19 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
             self._set_host_state("waiting")
 
     async def _interrupt(self) -> InterruptResult:
-        if self._state != "running" or self._interrupt_pending or self._continuing:
+        """The ``interrupt`` Update (DESIGN §3): abort the running turn once.
+
+        A second interrupt while the first's abort runs adds nothing; it
+        waits for that abort and reports it (``joined``), so every caller
+        returns only once the marker is fsynced — before
+        :data:`INTERRUPT_JOINS_PATCH` it returned at once, saying no turn
+        was running.
+        """
+        joining = (
+            self._interrupt_pending and self._state == "running" and not self._continuing
+            and workflow.patched(INTERRUPT_JOINS_PATCH)
+        )
+        if not joining and (self._state != "running" or self._interrupt_pending or self._continuing):
             ending = self._state not in ("running", "waiting", "waiting_for_host")
             return InterruptResult(interrupted=False, last_seq=self._flushed_seq, ended=ending)
         self._interrupt_pending = True
@@ -956,7 +969,8 @@ class TurnEngine(LedgerMixin, PlacementMixin, RefusalMixin, SubtaskMixin):
         if self._n.aborts_done < target:
             return InterruptResult(interrupted=False, last_seq=self._flushed_seq, ended=True)
         return InterruptResult(
-            interrupted=True,
+            interrupted=not joining,
+            joined=joining,
             aborted_calls=list(self._n.aborted),
             kept_calls=list(self._n.kept),
             last_seq=self._flushed_seq,

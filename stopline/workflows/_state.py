@@ -54,6 +54,10 @@ ABORT_ONCE_PATCH = "stopline-abort-once"
 #: moment as the interrupt cut the abort short and found nothing to abort,
 #: so a round whose calls the sampling activity ran was never recorded.
 ABORT_SURVIVES_STOP_PATCH = "stopline-abort-survives-stop"
+#: ``workflow.patched`` id of "a second interrupt waits for the first's
+#: abort and reports it": before it, that interrupt returned at once saying
+#: no turn was running, while the turn was being aborted.
+INTERRUPT_JOINS_PATCH = "stopline-interrupt-joins"
 #: ``workflow.patched`` id of "a run's end releases its stream polls": before
 #: it, a poll for an offset the run never reached (a reset re-applies a
 #: watcher's polls from the longer branch) kept the run open for ever.

@@ -204,8 +204,9 @@ class AgentTask(TurnEngine):
         by earlier tool calls are not touched. The task then waits for the
         next ``message``. Returns after the ledger is fsynced.
 
-        Idempotent: with no turn running, or an interrupt already in
-        progress, it returns at once and adds nothing.
+        Idempotent: with no turn running it returns at once and adds
+        nothing; with an interrupt already in progress it adds nothing,
+        waits for that abort and reports it (``joined``).
         """
         return await self._interrupt()
 
