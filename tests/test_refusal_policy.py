@@ -83,12 +83,23 @@ def test_stop_evidence_is_stripped_for_a_refused_task() -> None:
               last_tool_outcome=f"{TRIGGER} output", changed_paths=[f"/ws/{TRIGGER}.txt"])
     normal = refusal.stop_evidence(refused=False, **kw)
     assert TRIGGER in json.dumps(normal) and normal["changed_paths"]
-    assert normal["last_tool"]["args_firstline"] == f'{{"command": "cat {TRIGGER}"}}'
+    assert normal["last_tool"]["args_firstline"] == f'{{"command": "cat {TRIGGER}"}}'  # not JSON: raw
     stripped = refusal.stop_evidence(refused=True, **kw)
     assert TRIGGER not in json.dumps(stripped)
     assert stripped["last_tool"] == {"tool": "shell", "args_firstline": refusal.NOT_FORWARDED,
                                      "outcome": refusal.NOT_FORWARDED_SHORT}
     assert stripped["changed_paths"] == [] and stripped["last_message"] == "working on it"
+
+
+def test_stop_evidence_shows_the_arguments_first_line_decoded() -> None:
+    """JSON escapes a newline: the raw first line would be the whole call."""
+    show = refusal.arguments_first_line
+    assert show(json.dumps({"command": "sleep 1 # first\necho second"})) == "command=sleep 1 # first"
+    assert show(json.dumps({"path": "a.txt", "content": "one\ntwo"})) == "path=a.txt content=one"
+    assert show(json.dumps({"n": 3, "flags": ["a"], "s": "é"})) == 'n=3 flags=["a"] s=é'
+    assert show('{"command": "cut') == '{"command": "cut'  # unparsable: as sent
+    assert show("[1, 2]") == "[1, 2]" and show("") == "" and show(None) == ""
+    assert len(show(json.dumps({"command": "x" * 500}))) == refusal.ARGS_FIRSTLINE_CHARS
 
 
 def test_delivery_status_of_a_stopped_task_is_cancelled() -> None:

@@ -176,6 +176,43 @@ def refusal_receipt(stop: RefusalStop, assistant_text: str) -> str:
     return text
 
 
+#: The longest ``args_firstline`` of stop evidence, in characters.
+ARGS_FIRSTLINE_CHARS = 200
+
+
+def arguments_first_line(raw: str | None) -> str:
+    """A tool call's arguments as one short line, for stop evidence.
+
+    Arguments are JSON, where a newline inside a value is the two characters
+    ``\\n``: the raw text's first line would be all of it. An object is shown
+    as ``key=value`` pairs with each string value decoded, so the line ends
+    where the first value's first line does (a shell ``command`` shows its
+    first line only). Anything else: the raw text's first line.
+
+    Args:
+        raw: The raw arguments, as the model sent them; ``None``: none.
+
+    Returns:
+        At most :data:`ARGS_FIRSTLINE_CHARS` characters.
+    """
+    import json
+
+    if not raw:
+        return ""
+    try:
+        args = json.loads(raw)
+    except ValueError:
+        args = None
+    if isinstance(args, dict) and args:
+        shown = " ".join(
+            f"{k}={v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}" for k, v in args.items()
+        )
+    else:
+        shown = raw
+    lines = shown.splitlines()
+    return lines[0][:ARGS_FIRSTLINE_CHARS] if lines else ""
+
+
 def stop_evidence(
     *,
     refused: bool,
@@ -196,7 +233,8 @@ def stop_evidence(
             raced it).
         last_message: The assistant's last text.
         last_tool: The last tool's name.
-        last_tool_args: The last tool's raw arguments.
+        last_tool_args: The last tool's raw arguments (shown by
+            :func:`arguments_first_line`).
         last_tool_outcome: The last tool's result text.
         changed_paths: Paths written by the task's tools.
 
@@ -204,7 +242,7 @@ def stop_evidence(
         ``{"last_message", "last_tool": {"tool", "args_firstline", "outcome"},
         "changed_paths", "refused"}``.
     """
-    first = (last_tool_args or "").splitlines()[0][:200] if last_tool_args else ""
+    first = arguments_first_line(last_tool_args)
     outcome = (last_tool_outcome or "").splitlines()[0][:200] if last_tool_outcome else ""
     return {
         "last_message": last_message,
