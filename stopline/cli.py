@@ -240,6 +240,14 @@ async def _no_worker(client: Any, settings: Settings, task_queue: str) -> str | 
     return f"no worker is running: nothing polls task queue {task_queue} (start one: {start})"
 
 
+async def bounded_update(handle: Any, update: str, *args: Any, **bounds: Any) -> Any:
+    """:func:`stopline.activities.tasks.bounded_update`, imported when first
+    used (the CLI's start-up imports stay light)."""
+    from stopline.activities.tasks import bounded_update as bounded
+
+    return await bounded(handle, update, *args, **bounds)
+
+
 async def _describe(handle: Any) -> Any:
     """``describe()``; an unknown id is a UsageError."""
     from temporalio.service import RPCError, RPCStatusCode
@@ -620,6 +628,7 @@ async def _follow_with_interrupts(
             detach.set()
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)
+    host_wait = asyncio.create_task(_say_when_waiting_for_host(handle))
     try:
         follow = asyncio.create_task(_follow(client, handle.id, on_event, from_offset=from_offset))
         stop = asyncio.create_task(detach.wait())
@@ -632,7 +641,39 @@ async def _follow_with_interrupts(
         follow.result()
         return "finished"
     finally:
+        host_wait.cancel()
         loop.remove_signal_handler(signal.SIGINT)
+
+
+#: Seconds between looks at a followed task's state, for a wait for a host.
+HOST_WAIT_CHECK_S = 2.0
+
+
+async def _say_when_waiting_for_host(handle: Any) -> None:
+    """Say on stderr, once per wait, that a followed task waits for a host.
+
+    A task waits (state ``waiting_for_host``, DESIGN §7) while no host has a
+    free slot or none takes its queue, and publishes no event meanwhile:
+    without this, ``run`` would sit silent. Read from the ``StoplineStatus``
+    search attribute every :data:`HOST_WAIT_CHECK_S` seconds (a Describe,
+    not a Query: no worker needs to answer). Runs until cancelled.
+    """
+    from stopline.core import search_attributes as sa
+
+    said = False
+    while True:
+        await asyncio.sleep(HOST_WAIT_CHECK_S)
+        try:
+            desc = await handle.describe()
+        except Exception:  # a blip: look again next time
+            continue
+        waiting = desc.typed_search_attributes.get(sa.STATUS) == "waiting_for_host"
+        if waiting and not said:
+            err_console.print(
+                f"[yellow]{handle.id} waits for a host: none has a free slot or takes its queue; it "
+                f"goes on when one does (`stopline hosts` shows each host's tasks)[/yellow]"
+            )
+        said = waiting
 
 
 def _not_interrupted(res: InterruptResult) -> str:
@@ -646,7 +687,7 @@ def _not_interrupted(res: InterruptResult) -> str:
 
 async def _send_interrupt(handle: Any) -> None:
     try:
-        res: InterruptResult = await handle.execute_update("interrupt", result_type=InterruptResult)
+        res: InterruptResult = await bounded_update(handle, "interrupt", result_type=InterruptResult)
     except Exception as err:  # the task ended meanwhile, or no worker: say so, keep following
         err_console.print(f"[yellow]interrupt not delivered: {escape(_first_line(err))}[/yellow]")
         return
@@ -1207,7 +1248,7 @@ def cmd_move(args: argparse.Namespace, settings: Settings) -> int:
         _, handle = await _handle(settings, args.id)
         await _describe(handle)
         try:
-            said = await handle.execute_update("move", args.to, result_type=str)
+            said = await bounded_update(handle, "move", args.to, result_type=str, finish_s=None)
         except WorkflowUpdateFailedError as err:
             raise UsageError(str(getattr(err.cause, "message", None) or err.cause or err)) from None
         console.print(said, markup=False)
@@ -1325,7 +1366,7 @@ def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
         if problem is not None:
             raise UsageError(problem)
         try:
-            res = await handle.execute_update("interrupt", result_type=InterruptResult)
+            res = await bounded_update(handle, "interrupt", result_type=InterruptResult)
         except Exception:
             # a stop closed the task while the interrupt was on its way
             if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
@@ -1474,7 +1515,7 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
             await _describe(handle)
             for source_text in args.increment or []:
                 source, _, text = source_text.partition(":")
-                await handle.execute_update("increment", args=[source, text])
+                await bounded_update(handle, "increment", source, text)
             texts = [args.text] if args.text else (line.rstrip("\n") for line in sys.stdin)
             stream = WorkflowStreamClient.create(client, thread_id)
             code = 0
@@ -1488,7 +1529,9 @@ def cmd_chat(args: argparse.Namespace, settings: Settings) -> int:
                     until=lambda ev: ev.kind in ("turn_finished", "task_finished"),
                 ))
                 try:
-                    out: TurnOutcome = await handle.execute_update("ask", text, result_type=TurnOutcome)
+                    out: TurnOutcome = await bounded_update(
+                        handle, "ask", text, result_type=TurnOutcome, finish_s=None  # a whole turn
+                    )
                     try:
                         await asyncio.wait_for(asyncio.shield(watch), 5.0)
                     except (asyncio.TimeoutError, UsageError):

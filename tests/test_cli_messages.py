@@ -137,6 +137,41 @@ async def test_no_worker_at_all(client: Client, env: dict[str, str], workspace: 
             await client.get_workflow_handle(wid).terminate("test cleanup")
 
 
+async def test_interrupt_and_message_say_so_when_the_worker_just_went_away(
+    client: Client, env: dict[str, str], workspace: Path, tmp_path: Path, task_queue: str
+) -> None:
+    """The task's only worker stopped a moment ago, so it still counts as a
+    recent poller: the Update is sent, and nothing takes it up. Both commands
+    say so within their bound instead of waiting for ever."""
+    from stopline.activities.tasks import UPDATE_ACCEPT_WAIT_S
+
+    slow = _scen(tmp_path, "slow", entry(anthropic_message(
+        tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})])))
+    task_id = f"task-{uuid.uuid4().hex[:8]}"
+    try:
+        async with running_workers(build_workers(client, load_settings(), task_queue=task_queue)):
+            run = await _acli(env, "run", "go", "--model", f"scripted:{slow}", "--workspace", str(workspace),
+                              "--id", task_id, "--detach")
+            assert run.returncode == 0, run.stderr
+            deadline = time.monotonic() + 30
+            while not (workspace / "pid").exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert (workspace / "pid").exists()
+        started = time.monotonic()
+        interrupt, message = await asyncio.gather(
+            _acli(env, "interrupt", task_id), _acli(env, "message", task_id, "are you there?"))
+        took = time.monotonic() - started
+        for out, update in ((interrupt, "interrupt"), (message, "message")):
+            assert out.returncode == 2, out.stdout + out.stderr
+            assert _one_line(out.stderr, "error:").startswith(
+                f"error: no worker took up the '{update}' Update of task {task_id} within "
+                f"{UPDATE_ACCEPT_WAIT_S:g}s: its worker is gone or stuck"
+            ), out.stderr
+        assert UPDATE_ACCEPT_WAIT_S <= took < UPDATE_ACCEPT_WAIT_S + 20, took
+    finally:
+        await client.get_workflow_handle(task_id).terminate("test cleanup")
+
+
 @pytest.mark.usefixtures("worker")
 async def test_no_worker_polls_this_tasks_queue(
     client: Client, env: dict[str, str], workspace: Path
@@ -203,7 +238,7 @@ async def test_stop_names_the_cancel_and_reports_an_undelivered_message(
     )
     assert _one_line(stop.stdout, "undelivered:").strip() == "undelivered:  please also check the docs"
     last_tool = _one_line(stop.stdout, "last tool:").strip()
-    assert last_tool.startswith("last tool:    shell {") and "sleep 100" in last_tool, stop.stdout
+    assert last_tool == "last tool:    shell command=echo $$ > pid; sleep 100", stop.stdout
     result = await client.get_workflow_handle(task_id, result_type=AgentTaskResult).result()
     assert result.undelivered_messages == ["please also check the docs"]
     rows = LedgerStore(stopline_home / "ledger").read(task_id)

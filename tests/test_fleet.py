@@ -239,6 +239,29 @@ async def test_a_full_pool_makes_a_task_wait_visibly_for_a_host(
     assert (r1.status, r2.status) == ("completed", "completed")
 
 
+async def test_run_says_when_its_task_waits_for_a_host(
+    client: Client, task_queue: str, scripted: Any, workspace: Path, fleet: Fleet, tmp_path: Path,
+) -> None:
+    """The event stream is silent while a task waits for a slot: `run`,
+    following it, says so on stderr instead of sitting silent, then goes on."""
+    import json as _json
+
+    await fleet.start("host-a", STOPLINE_HOST_CAPACITY="1")
+    slow = scripted(scenario("anthropic", entry(anthropic_message("slow"), delay_s=6)))
+    first = await _start(client, task_queue, slow, workspace)
+    await _until(lambda: slow.request_count() >= 1, "the first task to sample")
+    quick = tmp_path / "quick.json"
+    quick.write_text(_json.dumps(scenario("anthropic", entry(anthropic_message("quick")))))
+    res = await asyncio.to_thread(_cli, fleet, fleet.root / "laptop", "run", "go", "--model",
+                                  f"scripted:{quick}", "--workspace", str(workspace), "--id", "waits-1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = [ln for ln in res.stderr.splitlines() if "waits for a host" in ln]
+    assert said == ["waits-1 waits for a host: none has a free slot or takes its queue; it goes on when "
+                    "one does (`stopline hosts` shows each host's tasks)"], res.stderr
+    assert "quick" in res.stdout
+    assert (await _result(first, fleet)).status == "completed"
+
+
 async def test_two_workers_on_one_home_the_second_refuses(
     client: Client, task_queue: str, fleet: Fleet, tmp_path: Path,
 ) -> None:

@@ -17,6 +17,7 @@ one clause. Each class lives where its concern lives and is listed here::
     │   ├── SymlinkRefused              stopline.activities.tools.beneath: a file tool met a link
     │   └── PatchError                  stopline.activities.tools.patch (and its subclasses)
     ├── TaskNotContinuable              stopline.activities.tasks: refused, ended or unknown task
+    ├── UpdateNotAnswered               stopline.activities.tasks: no worker took an Update up, or finished it, in time
     ├── SearchAttributeTypeConflict     stopline.core.search_attributes
     ├── HostError                       placement: this process cannot serve as a host
     │   └── HostInUse                   stopline.activities.host: another worker holds this home
