@@ -695,7 +695,7 @@ async def _send_interrupt(handle: Any) -> None:
         err_console.print(f"[yellow]{_not_interrupted(res)}[/yellow]")
         return
     err_console.print(
-        f"[yellow]interrupted[/yellow]: {_calls_phrase(res)}; the task waits for "
+        f"[yellow]interrupted[/yellow]: {_calls_phrase(res)}; continue it with "
         f"`stopline message {handle.id} TEXT`"
     )
 
@@ -1374,8 +1374,12 @@ def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
             res = InterruptResult(interrupted=False, ended=True)
         if args.json:
             print(res.model_dump_json())
+        elif res.interrupted and (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+            # a stop came while the abort ran: the turn was interrupted, then the task ended
+            console.print(f"interrupted: {_calls_phrase(res)}; the task has ended since "
+                          f"(`stopline status {args.id}`)", markup=False)
         elif res.interrupted:
-            console.print(f"interrupted: {_calls_phrase(res)}; the task waits for "
+            console.print(f"interrupted: {_calls_phrase(res)}; continue it with "
                           f"`stopline message {args.id} TEXT`", markup=False)
         else:
             console.print(_not_interrupted(res))

@@ -308,7 +308,7 @@ async def test_interrupt_lists_ids_joined(
     out = await _acli(env, "interrupt", task_id)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
-        f"interrupted: aborted 1 call(s) (call_a), kept 0; the task waits for "
+        f"interrupted: aborted 1 call(s) (call_a), kept 0; continue it with "
         f"`stopline message {task_id} TEXT`"
     )
     handle = client.get_workflow_handle(task_id)
