@@ -881,7 +881,8 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
     a recorded reason (a workflow cancel naming `stopline down`), so none is
     left waiting for a worker that is gone. One that does not stop in time is
     named; it goes on at the next `stopline up` (the server's SQLite file
-    keeps it).
+    keeps it). Tool calls a dead worker of this home left running are
+    killed once no worker holds the home (:func:`runtime.reap_left_calls`).
     """
     from stopline.worker import runtime
 
@@ -908,6 +909,10 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
                     stopped.append(task_id)
         async with runtime.embedded_lock(settings):
             stopped_worker, stopped_server = runtime.stop_embedded(settings)
+            reaped = runtime.reap_left_calls(settings)
+        if reaped:
+            console.print(f"killed {len(reaped)} tool process group(s) a dead worker had left running "
+                          f"(pgid {', '.join(map(str, reaped))})")
         if stopped:
             console.print(f"stopped {len(stopped)} running task(s) with reason \"{DOWN_REASON}\": "
                           f"{', '.join(stopped)}")

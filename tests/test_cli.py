@@ -188,6 +188,50 @@ def test_down_stops_running_tasks_with_a_reason(cli_env: dict[str, str], tmp_pat
     assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
 
 
+def test_down_kills_the_tool_calls_a_dead_worker_left(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """A worker killed outright cannot stop its calls; `down` stops the rest
+    of the runtime, so it kills the groups the dead worker left (the tool is
+    run unconfined: the test follows it by the pid it prints)."""
+    import os
+    import signal
+    import time
+
+    from stopline.testing.processes import group_alive
+
+    env = {**cli_env, "STOPLINE_SANDBOX": "off"}
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(scenario("anthropic", entry(anthropic_message(
+        tool_calls=[("c1", "shell", {"command": "echo $$ > pid; exec sleep 300"})])))))
+    pgid = 0
+    try:
+        assert _stopline(env, "up").returncode == 0
+        run = _stopline(env, "run", "go", "--model", f"scripted:{slow}", "--workspace", str(ws), "--detach")
+        assert run.returncode == 0, run.stderr
+        deadline = time.monotonic() + 60
+        while not ((ws / "pid").exists() and (ws / "pid").read_text().strip()):
+            assert time.monotonic() < deadline, "the tool never started"
+            time.sleep(0.05)
+        pgid = int((ws / "pid").read_text())
+        worker = int((Path(env["STOPLINE_HOME"]) / "run" / "worker.pid").read_text())
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group_alive(pgid), "the dead worker's call should still be running"
+        down = _stopline(env, "down", "--timeout", "1")
+        assert down.returncode == 0, down.stderr
+        assert (f"killed 1 tool process group(s) a dead worker had left running (pgid {pgid})"
+                in down.stdout), down.stdout
+        assert not group_alive(pgid)
+    finally:
+        _stopline(env, "down", "--timeout", "1")
+        if pgid and group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+    assert not port_open("127.0.0.1", int(cli_env["STOPLINE_DEV_SERVER_PORT"]))
+
+
 def test_sampling_flags_and_settings_make_the_task_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     from stopline.cli import UsageError, _limits, build_parser
 

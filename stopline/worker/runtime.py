@@ -985,6 +985,26 @@ async def release_embedded(
         return "stopped"
 
 
+def reap_left_calls(settings: Settings) -> list[int]:
+    """SIGKILL the tool calls' process groups a dead worker of this home left.
+
+    A worker killed outright (SIGKILL, OOM) cannot stop its calls: their
+    groups go on until a worker starts on the home again and reaps them
+    (:func:`~stopline.activities.tools.procs.reap_orphan_calls`). ``stopline
+    down`` does the same once no worker holds the home, so stopping
+    everything leaves nothing running. With a worker holding the home (a
+    foreground ``stopline worker``) its calls are live: nothing is touched.
+
+    Returns:
+        The pgids signalled.
+    """
+    if _home_held(settings) is not None:
+        return []
+    from stopline.activities.tools.procs import reap_orphan_calls
+
+    return reap_orphan_calls(settings)
+
+
 def stop_embedded(settings: Settings) -> tuple[bool, bool]:
     """Stop the background worker, then the dev server (by PID); clear leases and the pin.
 
