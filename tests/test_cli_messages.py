@@ -67,6 +67,21 @@ def _scen(tmp_path: Path, name: str, *entries: dict[str, Any]) -> Path:
     return path
 
 
+async def _detached_in_a_long_tool(env: dict[str, str], tmp_path: Path, workspace: Path) -> str:
+    """``run --detach`` a task whose tool call sleeps 100 s; its id once the call runs."""
+    slow = _scen(tmp_path, "slow", entry(anthropic_message(
+        tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})])))
+    task_id = f"task-{uuid.uuid4().hex[:8]}"
+    run = await _acli(env, "run", "go", "--model", f"scripted:{slow}", "--workspace", str(workspace),
+                      "--id", task_id, "--detach")
+    assert run.returncode == 0, run.stderr
+    deadline = time.monotonic() + 30
+    while not (workspace / "pid").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert (workspace / "pid").exists()
+    return task_id
+
+
 # --------------------------------------------------------------- pure wording
 
 
@@ -145,18 +160,10 @@ async def test_interrupt_and_message_say_so_when_the_worker_just_went_away(
     say so within their bound instead of waiting for ever."""
     from stopline.activities.tasks import UPDATE_ACCEPT_WAIT_S
 
-    slow = _scen(tmp_path, "slow", entry(anthropic_message(
-        tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})])))
-    task_id = f"task-{uuid.uuid4().hex[:8]}"
+    task_id = ""
     try:
         async with running_workers(build_workers(client, load_settings(), task_queue=task_queue)):
-            run = await _acli(env, "run", "go", "--model", f"scripted:{slow}", "--workspace", str(workspace),
-                              "--id", task_id, "--detach")
-            assert run.returncode == 0, run.stderr
-            deadline = time.monotonic() + 30
-            while not (workspace / "pid").exists() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert (workspace / "pid").exists()
+            task_id = await _detached_in_a_long_tool(env, tmp_path, workspace)
         started = time.monotonic()
         interrupt, message = await asyncio.gather(
             _acli(env, "interrupt", task_id), _acli(env, "message", task_id, "are you there?"))
@@ -169,7 +176,8 @@ async def test_interrupt_and_message_say_so_when_the_worker_just_went_away(
             ), out.stderr
         assert UPDATE_ACCEPT_WAIT_S <= took < UPDATE_ACCEPT_WAIT_S + 20, took
     finally:
-        await client.get_workflow_handle(task_id).terminate("test cleanup")
+        if task_id:
+            await client.get_workflow_handle(task_id).terminate("test cleanup")
 
 
 @pytest.mark.usefixtures("worker")
@@ -220,15 +228,7 @@ async def test_cannot_decode_without_the_key(
 async def test_stop_names_the_cancel_and_reports_an_undelivered_message(
     client: Client, env: dict[str, str], workspace: Path, tmp_path: Path, stopline_home: Path
 ) -> None:
-    slow = _scen(tmp_path, "slow", entry(anthropic_message(
-        tool_calls=[("c1", "shell", {"command": "echo $$ > pid; sleep 100"})])))
-    task_id = f"task-{uuid.uuid4().hex[:8]}"
-    run = await _acli(env, "run", "go", "--model", f"scripted:{slow}", "--workspace", str(workspace),
-                      "--id", task_id, "--detach")
-    assert run.returncode == 0, run.stderr
-    deadline = time.monotonic() + 30
-    while not (workspace / "pid").exists() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    task_id = await _detached_in_a_long_tool(env, tmp_path, workspace)
     msg = await _acli(env, "message", task_id, "please also check the docs")
     assert msg.returncode == 0 and msg.stdout.strip() == "message accepted (task running)", msg.stderr
     stop = await _acli(env, "stop", task_id)
@@ -245,12 +245,8 @@ async def test_stop_names_the_cancel_and_reports_an_undelivered_message(
     assert any(r.meta.get("undelivered_messages") == 1 for r in rows)
 
     # a cancel with no reason (as `temporal workflow cancel` sends) is named a cancel too
-    other = f"task-{uuid.uuid4().hex[:8]}"
     (workspace / "pid").unlink()
-    assert (await _acli(env, "run", "go", "--model", f"scripted:{slow}", "--workspace", str(workspace),
-                        "--id", other, "--detach")).returncode == 0
-    while not (workspace / "pid").exists() and time.monotonic() < deadline + 30:
-        await asyncio.sleep(0.05)
+    other = await _detached_in_a_long_tool(env, tmp_path, workspace)
     await client.get_workflow_handle(other).cancel()
     wait = await _acli(env, "wait", other)
     assert wait.returncode == 3
