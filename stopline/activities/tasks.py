@@ -11,6 +11,7 @@ memory (seed 000 §5): a refused task is answered with the one sentence
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from temporalio import activity
@@ -53,6 +54,10 @@ class UpdateNotAnswered(StoplineError):
     """An Update was not accepted, or not finished, within its bound."""
 
 
+#: What :func:`bounded_update`'s waits return when their time ran out.
+_NOT_IN_TIME = object()
+
+
 async def bounded_update(
     handle: Any,
     update: str,
@@ -89,39 +94,51 @@ async def bounded_update(
     """
     import time
     import uuid
+    from datetime import timedelta
 
-    from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError, WorkflowUpdateStage
+    from temporalio.client import (
+        WorkflowUpdateRPCTimeoutOrCancelledError,
+        WorkflowUpdateStage,
+    )
 
-    async def accept() -> Any:
-        # the server ends one wait for acceptance after its own deadline (~10
-        # s): ask again under the same id, which it dedups, until ours
-        update_id = str(uuid.uuid4())
+    async def within(seconds: float | None, call: Callable[[timedelta | None], Awaitable[Any]]) -> Any:
+        # Each RPC carries the time left as its deadline; the server also
+        # ends a long wait by itself (~10 s). Either way the SDK raises
+        # WorkflowUpdateRPCTimeoutOrCancelledError, as it does for a
+        # cancel: asked again while time is left, unless this task is
+        # being cancelled (so no asyncio.wait_for: its cancel would be
+        # taken for a timeout and asked again). _NOT_IN_TIME past it.
+        deadline = None if seconds is None else time.monotonic() + seconds
         while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return _NOT_IN_TIME
             try:
-                return await handle.start_update(
-                    update, args=list(args), id=update_id, wait_for_stage=WorkflowUpdateStage.ACCEPTED,
-                    result_type=result_type,
-                )
+                return await call(None if left is None else timedelta(seconds=left))
             except WorkflowUpdateRPCTimeoutOrCancelledError:
-                if time.monotonic() >= deadline:
-                    raise asyncio.TimeoutError from None
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                await asyncio.sleep(0.2 if left is None else min(0.2, max(left, 0.0)))
 
-    deadline = time.monotonic() + accept_s
-    try:
-        accepted = await asyncio.wait_for(accept(), accept_s)
-    except asyncio.TimeoutError:
+    update_id = str(uuid.uuid4())  # asked again under one id: the server dedups it
+    accepted = await within(accept_s, lambda rpc_timeout: handle.start_update(
+        update, args=list(args), id=update_id, wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+        result_type=result_type, rpc_timeout=rpc_timeout,
+    ))
+    if accepted is _NOT_IN_TIME:
         raise UpdateNotAnswered(
             f"no worker took up the {update!r} Update of task {handle.id} within {accept_s:g}s: its "
             f"worker is gone or stuck (`stopline status {handle.id}`, `stopline hosts`). The server "
             f"keeps the request, so it may still run when a worker serves the task again"
-        ) from None
-    try:
-        return await asyncio.wait_for(accepted.result(), finish_s)
-    except asyncio.TimeoutError:
+        )
+    result = await within(finish_s, lambda rpc_timeout: accepted.result(rpc_timeout=rpc_timeout))
+    if result is _NOT_IN_TIME:
         raise UpdateNotAnswered(
             f"task {handle.id} accepted the {update!r} Update but did not finish it within "
             f"{finish_s:g}s: its worker stopped while handling it (`stopline status {handle.id}`)"
-        ) from None
+        )
+    return result
 
 
 async def send_task_message(client: Client, store: LedgerStore, task_id: str, text: str) -> MessageAck:
