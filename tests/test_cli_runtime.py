@@ -201,3 +201,23 @@ def test_a_dev_server_that_cannot_start_says_why(cli_env: dict[str, str], tmp_pa
     assert env["STOPLINE_DEV_SERVER_UI_PORT"] in run.stderr, run.stderr
     assert "address already in use" in run.stderr, run.stderr
     _nothing_left(cli_env)
+
+
+def test_a_stopline_folder_in_the_current_directory_does_not_shadow_the_package(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """From the parent of a clone, ``./stopline`` is the repository, not the
+    package: the background worker must still import the installed one."""
+    shadow = tmp_path / "cwd" / "stopline"
+    shadow.mkdir(parents=True)
+    (shadow / "worker.py").write_text("raise SystemExit('imported the wrong stopline')\n")
+    try:
+        # the console script, as a person runs it (`python -m` would itself
+        # import ./stopline first)
+        script = Path(sys.executable).parent / "stopline"
+        up = subprocess.run([str(script), "up"], env=cli_env, cwd=shadow.parent,
+                            capture_output=True, text=True, timeout=240)
+        assert up.returncode == 0, up.stderr
+    finally:
+        _stopline(cli_env, "down")
+    _nothing_left(cli_env)

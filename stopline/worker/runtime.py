@@ -587,7 +587,10 @@ def start_background_worker(settings: Settings, address: str) -> int:
     # it may start before the server answers (they start together)
     env["STOPLINE_CONNECT_WAIT_S"] = "60"
     secrets = {k: os.environ[k] for k in SECRET_ENV_NAMES if os.environ.get(k)}
-    return _spawn(managed, [sys.executable, "-m", "stopline.worker.main"], env=env, secrets=secrets)
+    # -P: not the current directory first on the import path, where a
+    # `stopline` folder (the clone, seen from its parent) would shadow the
+    # installed package
+    return _spawn(managed, [sys.executable, "-P", "-m", "stopline.worker.main"], env=env, secrets=secrets)
 
 
 # ---------------------------------------------------------------------------
