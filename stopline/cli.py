@@ -694,10 +694,12 @@ async def _send_interrupt(handle: Any) -> None:
     if not res.interrupted:
         err_console.print(f"[yellow]{_not_interrupted(res)}[/yellow]")
         return
-    err_console.print(
-        f"[yellow]interrupted[/yellow]: {_calls_phrase(res)}; continue it with "
-        f"`stopline message {handle.id} TEXT`"
-    )
+    err_console.print(f"[yellow]{escape(_interrupted(res, handle.id))}[/yellow]")
+
+
+def _interrupted(res: InterruptResult, task_id: str) -> str:
+    """What an interrupt that aborted the turn did, and what to do next."""
+    return f"interrupted: {_calls_phrase(res)}; continue it with `stopline message {task_id} TEXT`"
 
 
 def _calls_phrase(res: InterruptResult) -> str:
@@ -1384,8 +1386,7 @@ def cmd_interrupt(args: argparse.Namespace, settings: Settings) -> int:
             console.print(f"interrupted: {_calls_phrase(res)}; the task has ended since "
                           f"(`stopline status {args.id}`)", markup=False)
         elif res.interrupted:
-            console.print(f"interrupted: {_calls_phrase(res)}; continue it with "
-                          f"`stopline message {args.id} TEXT`", markup=False)
+            console.print(_interrupted(res, args.id), markup=False)
         else:
             console.print(_not_interrupted(res))
         return 0

@@ -176,7 +176,7 @@ def refusal_receipt(stop: RefusalStop, assistant_text: str) -> str:
     return text
 
 
-#: The longest ``args_firstline`` of stop evidence, in characters.
+#: The longest ``args_firstline`` and ``outcome`` of stop evidence, in characters.
 ARGS_FIRSTLINE_CHARS = 200
 
 
@@ -209,7 +209,12 @@ def arguments_first_line(raw: str | None) -> str:
         )
     else:
         shown = raw
-    lines = shown.splitlines()
+    return _first_line(shown)
+
+
+def _first_line(text: str | None) -> str:
+    """``text``'s first line, at most :data:`ARGS_FIRSTLINE_CHARS` characters."""
+    lines = (text or "").splitlines()
     return lines[0][:ARGS_FIRSTLINE_CHARS] if lines else ""
 
 
@@ -243,7 +248,7 @@ def stop_evidence(
         "changed_paths", "refused"}``.
     """
     first = arguments_first_line(last_tool_args)
-    outcome = (last_tool_outcome or "").splitlines()[0][:200] if last_tool_outcome else ""
+    outcome = _first_line(last_tool_outcome)
     return {
         "last_message": last_message,
         "last_tool": {
